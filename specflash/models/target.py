@@ -1,0 +1,148 @@
+"""The target model wrapper: one forward that serves every method.
+
+It feeds a block of tokens at explicit positions on top of a KV cache, as a causal chain or as a
+tree (4-D additive mask), and returns float32 logits plus, when asked, the outputs of chosen
+decoder layers captured by forward hooks (cheaper than output_hidden_states, and generic over
+Hugging Face causal LMs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..tree import DraftTree, additive_mask
+
+
+def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The list of decoder layers of a causal LM, whatever its attribute path."""
+    n = model.config.get_text_config().num_hidden_layers
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
+        return layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [T, V] float32
+    features: torch.Tensor | None = None  # [T, n_layers * H] concat of hooked layer outputs
+
+
+@dataclass
+class TargetModel:
+    """A Hugging Face causal LM with the few operations speculative decoding needs."""
+
+    model: PreTrainedModel
+    tokenizer: object | None = None
+    name: str = ""
+    _captured: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _hooked: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        self.model.eval()
+        self.layers = _decoder_layers(self.model)
+
+    @property
+    def config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 2**31 - 1)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Every id that ends generation: the generation config's, the model config's, the tokenizer's."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.add(int(tok_eos))
+        return frozenset(int(i) for i in ids)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """Hook the given decoder layers (0-based) so forward() returns their outputs."""
+        if tuple(layer_ids) == self._hooked:
+            return
+        for bad in [i for i in layer_ids if not 0 <= i < self.num_layers]:
+            raise ValueError(f"layer {bad} out of range: the target has {self.num_layers} layers")
+        for handle in getattr(self, "_handles", []):
+            handle.remove()
+        self._handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in layer_ids]
+        self._hooked = tuple(layer_ids)
+
+    def _hook(self, index: int):
+        def save(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            self._captured[index] = hidden.detach()
+
+        return save
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: list[int],
+        cache: DynamicCache,
+        start: int,
+        tree: DraftTree | None = None,
+        last_only: bool = False,
+    ) -> TargetOutput:
+        """Feed `ids` at positions start.. on top of `cache` (which must hold exactly `start`
+        entries). With `tree`, ids = [root] + tree tokens, and each node sees the cache, the
+        root and its ancestors, at position start + depth. `last_only` skips the LM head on all
+        but the last position (prefill)."""
+        device = self.device
+        input_ids = torch.tensor([ids], device=device)
+        if tree is None:
+            positions = torch.arange(start, start + len(ids), device=device)[None]
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
+        else:
+            positions = torch.tensor([tree.position_ids(start)], device=device)
+            mask = additive_mask(tree.ancestor_mask(), start, self.dtype).to(device)
+            out = self.model(
+                input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
+            )
+        features = None
+        if self._hooked:
+            features = torch.cat([self._captured[i][0] for i in self._hooked], dim=-1)
+            self._captured.clear()
+        return TargetOutput(out.logits[0].float(), features)

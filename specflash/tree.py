@@ -1,0 +1,86 @@
+"""Draft trees: the shape every method's proposal takes, and the masks and positions it implies.
+
+A draft is a list of nodes (token, parent); the root (parent ROOT = -1) is the last committed
+token, which is fed first. A chain is the special case parents = [-1, 0, 1, ...]. Nodes are
+stored parent-before-child, so one pass in index order visits every ancestor first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .trace import ROOT
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents differ in length")
+        for i, parent in enumerate(self.parents):
+            if not (parent == ROOT or 0 <= parent < i):
+                raise ValueError(f"node {i} has parent {parent}; parents must come before children")
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node: children of the root have depth 1."""
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent == ROOT else depth[parent] + 1)
+        return depth
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (ROOT for the root) in insertion order."""
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node`."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n+1, n+1] bool: row i may attend to column j (the root is row/column 0, nodes 1..n):
+        each node sees the root, its ancestors and itself."""
+        n = len(self)
+        allow = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        allow[:, 0] = True
+        for i, parent in enumerate(self.parents):
+            if parent != ROOT:
+                allow[i + 1] = allow[parent + 1]
+            allow[i + 1, i + 1] = True
+        return allow
+
+    def position_ids(self, root_position: int) -> list[int]:
+        """Absolute positions: the root at `root_position`, each node at root + depth."""
+        return [root_position] + [root_position + d for d in self.depths()]
+
+
+def additive_mask(allow: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, T] bool tree mask -> [1, 1, T, prefix_len + T] additive float mask (0 = visible).
+
+    Float, not bool: eager attention adds the mask to the scores, so a bool mask is silently wrong
+    there while SDPA accepts both.
+    """
+    t = allow.shape[0]
+    full = torch.ones(t, prefix_len + t, dtype=torch.bool)
+    full[:, prefix_len:] = allow
+    mask = torch.zeros(1, 1, t, prefix_len + t, dtype=dtype)
+    return mask.masked_fill(~full, torch.finfo(dtype).min)
