@@ -42,7 +42,7 @@ class DraftModelDrafter(Drafter):
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = DynamicCache()  # full-length layers: rollback works past any sliding window
         self.cached: list[int] = []
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:

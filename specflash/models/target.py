@@ -90,8 +90,18 @@ class TargetModel:
             ids.add(int(tok_eos))
         return frozenset(int(i) for i in ids)
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window of sliding-window layers, if the model has any."""
+        window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None) or []
+        uses_window = getattr(self.config, "use_sliding_window", True) or "sliding_attention" in layer_types
+        return int(window) if window and uses_window else None
+
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        """A cache of full-length layers, even for sliding-window models (the model's own masks
+        still apply the window): sliding cache layers cannot be rolled back once full."""
+        return DynamicCache()
 
     def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
         """Hook the given decoder layers (0-based) so forward() returns their outputs."""
@@ -136,6 +146,12 @@ class TargetModel:
                 logits_to_keep=1 if last_only else 0,
             )
         else:
+            window = self.sliding_window
+            if window is not None and start + len(ids) > window:
+                raise NotImplementedError(
+                    f"tree attention past the {window}-token sliding window is not supported; "
+                    "use a chain method or a shorter context"
+                )
             positions = torch.tensor([tree.position_ids(start)], device=device)
             mask = additive_mask(tree.ancestor_mask(), start, self.dtype).to(device)
             out = self.model(

@@ -1,0 +1,113 @@
+"""The public API: load a target, then stream() or generate() with any method.
+
+Everything here is a thin layer over the engine; it resolves names (presets, methods), encodes
+the prompt, and packs the result into a RunRecord. Device and dtype default to CUDA/bf16 when a
+GPU is present and CPU/fp32 otherwise, and can always be given explicitly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import SamplingConfig, config_to_dict
+from .drafters import Drafter, build_drafter
+from .engine import Decoding
+from .errors import EmptyPromptError
+from .metrics import summarize
+from .models.target import TargetModel
+from .trace import RunRecord
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load(
+    model: str = "smollm2-135m",
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    cache_dir: Path | None = None,
+) -> TargetModel:
+    """A target from a preset name, a local folder or a hub id (offline: from the local cache)."""
+    from .models.loading import load_causal_lm
+
+    device = device or default_device()
+    hf_model, tokenizer = load_causal_lm(model, device=device, dtype=dtype or default_dtype(device), cache_dir=cache_dir)
+    return TargetModel(hf_model, tokenizer, name=model)
+
+
+def encode_prompt(target: TargetModel, prompt: str | list[int], raw: bool = False) -> list[int]:
+    """Token ids of the prompt: through the chat template unless `raw` or the tokenizer has none."""
+    if isinstance(prompt, list):
+        ids = [int(t) for t in prompt]
+    else:
+        if not prompt.strip():
+            raise EmptyPromptError("the prompt is empty: type some text")
+        tok = target.tokenizer
+        if tok is None:
+            raise ValueError("this target has no tokenizer; pass token ids")
+        if not raw and getattr(tok, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}]
+            ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        else:
+            ids = tok(prompt).input_ids
+    if not ids:
+        raise EmptyPromptError("the prompt encodes to no tokens")
+    return ids
+
+
+def stream(
+    target: TargetModel,
+    prompt: str | list[int],
+    method: str = "ar",
+    max_new_tokens: int | None = 64,
+    sampling: SamplingConfig | None = None,
+    raw: bool = False,
+    drafter: str | Drafter | None = None,
+    options: dict[str, Any] | None = None,
+    stop_on_eos: bool = True,
+    cache_dir: Path | None = None,
+) -> Decoding:
+    """An iterable of StepRecords, one per target forward (the first is the prefill).
+
+    `drafter` is a path/preset of the drafter model where the method needs one, or a ready
+    Drafter; `options` are the method's knobs (e.g. {"k": 4}).
+    """
+    sampling = sampling or SamplingConfig()
+    ids = encode_prompt(target, prompt, raw)
+    if isinstance(drafter, Drafter):
+        built = drafter
+    else:
+        built = build_drafter(method, target, options, drafter, cache_dir=cache_dir)
+    return Decoding(target, built, ids, sampling, max_new_tokens, stop_on_eos)
+
+
+def run_record(decoding: Decoding, method: str) -> RunRecord:
+    """Drive a Decoding to the end and pack it into a RunRecord with its metrics."""
+    steps = list(decoding)
+    run = RunRecord(
+        method=method,
+        config=decoding.drafter.config_dict(),
+        sampling=config_to_dict(decoding.sampling),
+        model=decoding.target.name,
+        device=str(decoding.target.device),
+        prompt_ids=decoding.prompt_ids,
+        steps=steps,
+        output_ids=list(decoding.output),
+        finish_reason=decoding.finish_reason or "length",
+        prefill_time=steps[0].verify_time,
+    )
+    run.metrics = summarize(run)
+    return run
+
+
+def generate(target: TargetModel, prompt: str | list[int], method: str = "ar", **kwargs: Any) -> RunRecord:
+    """Run to the end and return the RunRecord (same arguments as stream)."""
+    return run_record(stream(target, prompt, method, **kwargs), method)

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random models of several architectures, built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specflash.models.target import TargetModel
+from specflash.models.tiny import TINY_ARCHS, ensure_tiny_model
+
+LOSSLESS_ARCHS = ("llama", "qwen3", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tiny_root):
+    """Folder of each tiny architecture (seed 0), and an unrelated drafter (seed 1)."""
+    dirs = {arch: ensure_tiny_model(arch, tiny_root) for arch in TINY_ARCHS}
+    dirs["random-drafter"] = ensure_tiny_model("qwen2", tiny_root, seed=1, layers=1, hidden=32)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tiny_dirs):
+    """A TargetModel per architecture, fp32 on CPU."""
+    out = {}
+    for arch, path in tiny_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        out[arch] = TargetModel(model, AutoTokenizer.from_pretrained(path), name=str(path))
+    return out
+
+
+def hf_greedy(target: TargetModel, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: transformers' own greedy generate, new tokens only."""
+    inputs = torch.tensor([ids])
+    out = target.model.generate(
+        inputs,
+        attention_mask=torch.ones_like(inputs),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=target.tokenizer.pad_token_id,
+    )
+    return out[0, len(ids) :].tolist()
