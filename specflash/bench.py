@@ -1,0 +1,184 @@
+"""Side-by-side benchmark: every method on the same held-out prompts, interleaved, medians.
+
+Machines are shared and noisy, so absolute tokens/s drift; what holds is the ratio of two runs
+measured back to back. Each (repeat, prompt) round runs every method once, in a rotating order,
+and the speedup of a method is the median over rounds of ar's wall time / its wall time on the
+same prompt. transformers' own assisted generation and prompt lookup run as reference rows: they
+are what a user would pick instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any, Callable
+
+import torch
+
+from .config import SamplingConfig
+
+HF_ROWS = ("hf-assisted", "hf-pld")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    from .cli import add_model_args
+
+    add_model_args(p)
+    p.add_argument("--methods", default="ar,pld,hf-pld", help="comma list; hf-assisted and hf-pld are reference rows")
+    p.add_argument("--domains", default="math,code,writing,rewrite")
+    p.add_argument("--prompts-per-domain", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--drafter", default=None, help="draft model for draft / hf-assisted (default: the preset's)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="METHOD.KEY=VALUE")
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench.json"))
+
+
+@dataclass
+class Sample:
+    method: str
+    domain: str
+    prompt_id: str
+    repeat: int
+    wall: float
+    new_tokens: int
+    output_ids: list[int]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _hf_runner(target, method: str, drafter_model) -> Callable[[list[int], int], tuple[list[int], dict]]:
+    def run(ids: list[int], max_new: int) -> tuple[list[int], dict]:
+        inputs = torch.tensor([ids], device=target.device)
+        kwargs: dict[str, Any] = dict(max_new_tokens=max_new, do_sample=False, attention_mask=torch.ones_like(inputs))
+        if method == "hf-assisted":
+            kwargs["assistant_model"] = drafter_model
+        else:
+            kwargs["prompt_lookup_num_tokens"] = 8
+        out = target.model.generate(inputs, **kwargs)
+        return out[0, len(ids) :].tolist(), {}
+
+    return run
+
+
+def _engine_runner(target, method: str, drafter: str | None, options: dict, cache_dir):
+    from .api import generate
+
+    def run(ids: list[int], max_new: int) -> tuple[list[int], dict]:
+        rec = generate(target, ids, method, max_new_tokens=max_new, drafter=drafter, options=options,
+                       sampling=SamplingConfig(), cache_dir=cache_dir)
+        return rec.output_ids, rec.metrics
+
+    return run
+
+
+def _method_options(items: list[str]) -> dict[str, dict]:
+    from .cli import parse_options
+
+    per: dict[str, dict] = {}
+    for key, value in parse_options(items).items():
+        method, _, knob = key.partition(".")
+        per.setdefault(method, {})[knob] = value
+    return per
+
+
+def summarize_samples(samples: list[Sample]) -> list[dict[str, Any]]:
+    """One row per method: medians, pooled acceptance, speedup as median of paired ratios."""
+    base = {(s.prompt_id, s.repeat): s for s in samples if s.method == "ar"}
+    rows = []
+    for method in dict.fromkeys(s.method for s in samples):
+        mine = [s for s in samples if s.method == method]
+        ratios = [base[(s.prompt_id, s.repeat)].wall / s.wall for s in mine if (s.prompt_id, s.repeat) in base]
+        same = [s.output_ids == base[(s.prompt_id, s.repeat)].output_ids for s in mine if (s.prompt_id, s.repeat) in base]
+        with_metrics = [s.metrics for s in mine if s.metrics]
+        steps = sum(m["decode_steps"] for m in with_metrics)
+        committed = sum(m["mean_acceptance_length"] * m["decode_steps"] for m in with_metrics)
+        verified = sum(m["verified_per_committed"] * m["mean_acceptance_length"] * m["decode_steps"] for m in with_metrics)
+        rows.append({
+            "method": method,
+            "tokens_per_s": median(s.new_tokens / s.wall for s in mine),
+            "mean_acceptance_length": committed / steps if steps else None,
+            "verified_per_committed": verified / committed if committed else None,
+            "speedup": median(ratios) if ratios else None,
+            "identical_to_ar": all(same) if same else None,
+            "samples": len(mine),
+        })
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], device: str) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"device: {device}", f"{'method':<14}{'tok/s':>9}{'accept len':>12}{'verified/tok':>14}{'speedup':>9}  identical"]
+    for r in rows:
+        lines.append(
+            f"{r['method']:<14}{f(r['tokens_per_s'], '.1f'):>9}{f(r['mean_acceptance_length'], '.2f'):>12}"
+            f"{f(r['verified_per_committed'], '.2f'):>14}{f(r['speedup'], '.2f'):>9}  {f(r['identical_to_ar'], '')}"
+        )
+    return "\n".join(lines)
+
+
+def device_label(target) -> str:
+    if target.device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(target.device)}"
+    return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .api import encode_prompt, load
+    from .cli import _dtype, default_drafter
+    from .models.loading import load_causal_lm
+    from .prompts import heldout_prompts
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "ar" not in methods:
+        methods.insert(0, "ar")
+    target = load(args.model, device=args.device, dtype=_dtype(args.dtype), cache_dir=args.cache_dir)
+    options = _method_options(args.option)
+    drafter = args.drafter or default_drafter(args.model, "draft", args.cache_dir)
+    runners = {}
+    for m in methods:
+        if m in HF_ROWS:
+            drafter_model = None
+            if m == "hf-assisted":
+                drafter_model = load_causal_lm(drafter, target.device, target.dtype, args.cache_dir)[0] if drafter else None
+                if drafter_model is None:
+                    print("skipping hf-assisted: no draft model (pass --drafter)")
+                    continue
+            runners[m] = _hf_runner(target, m, drafter_model)
+        else:
+            method_drafter = drafter if m == "draft" else args.drafter or default_drafter(args.model, m, args.cache_dir)
+            runners[m] = _engine_runner(target, m, method_drafter, options.get(m, {}), args.cache_dir)
+    prompts = [p for d in args.domains.split(",") for p in heldout_prompts(d.strip())[: args.prompts_per_domain]]
+    encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
+    names = list(runners)
+    for name in names:  # warm-up: first forwards are several times slower
+        runners[name](encoded[prompts[0].id], 4)
+    samples: list[Sample] = []
+    for repeat in range(args.repeats):
+        for i, prompt in enumerate(prompts):
+            shift = (repeat * len(prompts) + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                t0 = time.perf_counter()
+                out, metrics = runners[name](encoded[prompt.id], args.max_new_tokens)
+                wall = time.perf_counter() - t0
+                samples.append(Sample(name, prompt.domain, prompt.id, repeat, wall, len(out), out, metrics))
+    rows = summarize_samples(samples)
+    per_domain = {d: summarize_samples([s for s in samples if s.domain == d]) for d in dict.fromkeys(s.domain for s in samples)}
+    device = device_label(target)
+    print(format_table(rows, device))
+    for domain, drows in per_domain.items():
+        print(f"\n[{domain}]\n" + format_table(drows, device))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "device": device, "model": args.model, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "rows": rows, "per_domain": per_domain, "samples": [s.__dict__ for s in samples],
+        "note": "speedup = median over (prompt, repeat) of ar wall time / method wall time, both end to end",
+    }, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
