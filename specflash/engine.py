@@ -135,11 +135,11 @@ class Decoding:
         t1 = time.perf_counter()
         tree = draft.tree
 
-        # 3. Verify: one target forward over [last, draft...]; walk the draft with the rule.
-        out = self.target.forward([context[-1], *tree.tokens], cache, start, tree=None if tree.is_chain else tree)
-        probs = probabilities(out.logits, self.sampling)  # [n+1, V]
+        # 3. Verify: one target forward over [last, draft..., lookahead...]; walk the draft.
+        out = self._verify_forward(context[-1], draft, cache, start)
+        probs = probabilities(out.logits[: len(tree) + 1], self.sampling)  # [n+1, V]
         if self.sampling.greedy:
-            verdict = walk_greedy(tree, out.logits.argmax(dim=-1).tolist())
+            verdict = walk_greedy(tree, out.logits[: len(tree) + 1].argmax(dim=-1).tolist())
         else:
             verdict = walk_sampled(tree, probs, generator, draft.q)
 
@@ -154,6 +154,7 @@ class Decoding:
         last_row = kept_rows[-1]
         accepted_tokens = [tree.tokens[i] for i in verdict.path]
         commit = _cut(accepted_tokens + [verdict.token], room, eos, self.stop_on_eos)
+        self.drafter.verified(draft, out.logits, verdict.path, commit.tokens)
         record = StepRecord(
             step=step,
             phase="decode",
@@ -167,9 +168,22 @@ class Decoding:
             correction_kind=verdict.kind if tree.tokens else "target",
             correction_p=float(probs[last_row, verdict.token]),
             committed=commit.tokens,
-            verified=len(tree) + 1,
+            verified=len(tree) + 1 + (len(draft.lookahead.tokens) if draft.lookahead else 0),
             draft_time=t1 - t0,
             verify_time=t2 - t1,
             extras=draft.extras,
         )
         return record, commit
+
+    def _verify_forward(self, root: int, draft, cache, start: int):
+        tree = draft.tree
+        if draft.lookahead is None:
+            return self.target.forward([root, *tree.tokens], cache, start, tree=None if tree.is_chain else tree)
+        # The draft tree's rows see the root and their ancestors; lookahead rows see what they allow.
+        look = draft.lookahead
+        n, a = len(tree) + 1, len(look.tokens)
+        allow = torch.zeros(n + a, n + a, dtype=torch.bool)
+        allow[:n, :n] = tree.ancestor_mask()
+        allow[n:] = look.allow
+        positions = tree.position_ids(start) + [start + offset for offset in look.positions]
+        return self.target.forward([root, *tree.tokens, *look.tokens], cache, start, allow=allow, positions=positions)

@@ -10,7 +10,7 @@ import torch
 from conftest import LOSSLESS_ARCHS, hf_greedy
 from specflash.api import generate
 from specflash.config import DraftModelConfig, PromptLookupConfig
-from specflash.drafters.base import Draft, Drafter
+from specflash.drafters.base import Draft, Drafter, Lookahead
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
 from specflash.tree import DraftTree
@@ -24,7 +24,8 @@ PROMPTS = [
 
 class OracleTreeDrafter(Drafter):
     """Proposes random trees that hide the true greedy continuation (sometimes corrupted) among
-    distractor branches, so the tree mask, positions, walk and KV compaction all get exercised."""
+    distractor branches, plus random unverified lookahead tokens, so the tree mask, positions,
+    walk and KV compaction all get exercised."""
 
     name = "oracle-tree"
 
@@ -54,7 +55,13 @@ class OracleTreeDrafter(Drafter):
                 if depth <= max_len:
                     tokens.append(self.rng.randrange(self.vocab))
                     parents.append(anchor)
-        return Draft(DraftTree(tuple(tokens), tuple(parents)))
+        n = len(tokens) + 1
+        extra = self.rng.randint(0, 3)
+        allow = torch.rand(extra, n + extra, generator=torch.Generator().manual_seed(len(context))) < 0.5
+        allow[:, n:] = torch.eye(extra, dtype=torch.bool)  # lookahead rows see themselves, not each other
+        lookahead = Lookahead([self.rng.randrange(self.vocab) for _ in range(extra)],
+                              [self.rng.randint(1, 4) for _ in range(extra)], allow)
+        return Draft(DraftTree(tuple(tokens), tuple(parents)), lookahead=lookahead if extra else None)
 
 
 def _drafters(name, target, others, ref, ids):

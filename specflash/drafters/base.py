@@ -18,6 +18,21 @@ from ..tree import DraftTree
 
 
 @dataclass
+class Lookahead:
+    """Extra tokens fed in the verification forward but never verified or kept (PTD's draft
+    tree): the target's predictions at them are how a self-drafting method drafts.
+
+    `allow` [A, 1 + n + A] says which of the root, the n draft-tree nodes and the A lookahead
+    tokens each lookahead token sees (every row also sees the whole committed prefix);
+    `positions` are offsets from the root's position.
+    """
+
+    tokens: list[int]
+    positions: list[int]
+    allow: torch.Tensor
+
+
+@dataclass
 class Draft:
     """A proposal: the tree; the proposal distributions q [n, V] used by verification (None =
     point masses, e.g. argmax drafts); the drafter's probability of each node's token, for the
@@ -27,6 +42,7 @@ class Draft:
     q: torch.Tensor | None = None
     q_token: list[float] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    lookahead: Lookahead | None = None
 
     @classmethod
     def empty(cls) -> "Draft":
@@ -50,6 +66,10 @@ class Drafter:
 
     def observe(self, features: torch.Tensor) -> None:
         """Target features [m, n_layers * H] of the m positions just committed to the target cache."""
+
+    def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
+        """After each verification: the target's logits at every fed row [1 + n + A, V] (root,
+        draft nodes, lookahead tokens), the accepted node path and the committed tokens."""
 
     def config_dict(self) -> dict[str, Any]:
         """The method's knobs, for the trace."""

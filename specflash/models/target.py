@@ -129,14 +129,19 @@ class TargetModel:
         start: int,
         tree: DraftTree | None = None,
         last_only: bool = False,
+        allow: torch.Tensor | None = None,
+        positions: list[int] | None = None,
     ) -> TargetOutput:
         """Feed `ids` at positions start.. on top of `cache` (which must hold exactly `start`
         entries). With `tree`, ids = [root] + tree tokens, and each node sees the cache, the
-        root and its ancestors, at position start + depth. `last_only` skips the LM head on all
-        but the last position (prefill)."""
+        root and its ancestors, at position start + depth. Instead of a tree, `allow` [T, T]
+        and `positions` (absolute) give any visibility pattern inside the fed block. `last_only`
+        skips the LM head on all but the last position (prefill)."""
+        if tree is not None:
+            allow, positions = tree.ancestor_mask(), tree.position_ids(start)
         device = self.device
         input_ids = torch.tensor([ids], device=device)
-        if tree is None:
+        if allow is None:
             positions = torch.arange(start, start + len(ids), device=device)[None]
             out = self.model(
                 input_ids=input_ids,
@@ -152,10 +157,10 @@ class TargetModel:
                     f"tree attention past the {window}-token sliding window is not supported; "
                     "use a chain method or a shorter context"
                 )
-            positions = torch.tensor([tree.position_ids(start)], device=device)
-            mask = additive_mask(tree.ancestor_mask(), start, self.dtype).to(device)
+            position_ids = torch.tensor([positions], device=device)
+            mask = additive_mask(allow, start, self.dtype).to(device)
             out = self.model(
-                input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True
             )
         features = None
         if self._hooked:
