@@ -8,13 +8,14 @@ engine, so verification can use the exact min(1, p/q) rule.
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..config import DraftModelConfig
-from ..errors import DrafterMismatchError
+from ..errors import DrafterMismatchError, MethodConfigError
 from ..kv import cache_len, rollback
 from ..sampling import choose, probabilities
 from ..tree import DraftTree
@@ -95,3 +96,19 @@ class DraftModelDrafter(Drafter):
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.cfg)
+
+
+CONFIG = DraftModelConfig
+
+
+def build(target, cfg: DraftModelConfig, drafter: str | None, cache_dir: Path | None = None) -> DraftModelDrafter:
+    from ..models.loading import load_causal_lm
+
+    if not drafter:
+        raise MethodConfigError(
+            "method 'draft' needs a drafter: pass --drafter PATH_OR_PRESET (a small causal LM that shares "
+            "the target's tokenizer)"
+        )
+    model, tokenizer = load_causal_lm(drafter, device=target.device, dtype=target.dtype, cache_dir=cache_dir)
+    check_same_vocabulary(target.tokenizer, tokenizer, target.name, drafter)
+    return DraftModelDrafter(model, cfg, target.vocab_size)

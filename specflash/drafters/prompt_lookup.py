@@ -8,6 +8,7 @@ summaries quoting their source, structured output.
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from ..config import PromptLookupConfig
@@ -41,3 +42,10 @@ class PromptLookupDrafter(Drafter):
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.cfg)
+
+
+CONFIG = PromptLookupConfig
+
+
+def build(target, cfg: PromptLookupConfig, drafter: str | None, cache_dir: Path | None = None) -> PromptLookupDrafter:
+    return PromptLookupDrafter(cfg)
