@@ -47,7 +47,7 @@ def accept_token(
     """
     p_x = float(p[token])
     q_x = 1.0 if q is None else float(q[token])
-    u = float(torch.rand((), generator=generator))
+    u = float(torch.rand((), generator=generator, device=p.device))
     if q_x > 0 and u < min(1.0, p_x / q_x):
         return True, p
     if q is None:

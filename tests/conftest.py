@@ -46,7 +46,7 @@ def tiny_targets(tiny_dirs):
 
 def hf_greedy(target: TargetModel, ids: list[int], max_new_tokens: int) -> list[int]:
     """The reference: transformers' own greedy generate, new tokens only."""
-    inputs = torch.tensor([ids])
+    inputs = torch.tensor([ids], device=target.device)
     out = target.model.generate(
         inputs,
         attention_mask=torch.ones_like(inputs),

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# For a GPU host: the lossless tests on CUDA, then a short benchmark, in one call of a few minutes.
+# Results go to ${OUT:-gpu-out}/. Assumes torch with CUDA is already installed in the environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python -m pip install -q -r <(grep -v '^torch==' requirements.txt) 2>&1 | tail -2 || true
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+SPECFLASH_TEST_DEVICE=cuda timeout 300 python -m pytest -q -m "not slow" tests/test_gpu.py 2>&1 | tee "$out/lossless.txt"
+timeout 200 python -m specflash bench --model smollm2-135m --device cuda --methods ar,pld,hf-pld,dflash,ptd \
+  --prompts-per-domain 2 --max-new-tokens 96 --repeats 3 --out "$out/bench.json" 2>&1 | tee "$out/bench.txt"
