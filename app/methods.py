@@ -1,0 +1,93 @@
+"""Which methods this build can run, and their knobs, read from the engine's own config classes.
+
+The app never keeps its own list of knobs: each method's `CONFIG` dataclass (its fields, types
+and defaults) is the source, so a method that lands in specflash/drafters (adaflash, dels, ...)
+shows its knobs here without an app change. Methods registered in METHODS whose module is not
+in this checkout yet are reported as unavailable rather than offered and failing. No gradio here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from specflash.drafters import METHODS
+
+# Friendlier labels for knobs we know; any other field shows under its own name.
+LABELS = {
+    "k": "k (draft length)",
+    "max_ngram": "max n-gram",
+    "min_ngram": "min n-gram",
+    "block_size": "block size",
+    "alpha": "α",
+    "beta": "β",
+}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One method knob: `method.name`, its default and the Python type values are cast to."""
+
+    method: str
+    name: str
+    default: Any
+    kind: type
+
+    @property
+    def label(self) -> str:
+        return LABELS.get(self.name, self.name.replace("_", " "))
+
+
+def method_available(name: str) -> bool:
+    """True when the method's module exists in this checkout (it may still need a drafter)."""
+    return importlib.util.find_spec(f"specflash.drafters.{METHODS[name].module}") is not None
+
+
+def available_methods() -> list[str]:
+    return [name for name in METHODS if method_available(name)]
+
+
+def unavailable_methods() -> list[str]:
+    return [name for name in METHODS if not method_available(name)]
+
+
+def method_knobs(name: str) -> list[Knob]:
+    """The knobs of one method, in field order; fields without a plain default are left out."""
+    config_cls = METHODS[name].load().CONFIG
+    knobs = []
+    for f in dataclasses.fields(config_cls):
+        if f.default is dataclasses.MISSING or not isinstance(f.default, (bool, int, float, str)):
+            continue
+        knobs.append(Knob(name, f.name, f.default, type(f.default)))
+    return knobs
+
+
+def all_knobs(methods: list[str]) -> list[Knob]:
+    """Every knob of every listed method, in a fixed order (the order of the UI's inputs)."""
+    return [knob for name in methods for knob in method_knobs(name)]
+
+
+def options_for(method: str, knobs: list[Knob], values: list[Any]) -> dict[str, Any]:
+    """The `options` dict for specflash.stream: this method's knob values, cast to their types.
+
+    A value equal to the default is still passed, so the RunRecord's config says what ran.
+    A blank value falls back to the default.
+    """
+    options = {}
+    for knob, value in zip(knobs, values):
+        if knob.method != method:
+            continue
+        if value is None or value == "":
+            value = knob.default
+        options[knob.name] = _cast(knob.kind, value)
+    return options
+
+
+def _cast(kind: type, value: Any) -> Any:
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
