@@ -1,0 +1,165 @@
+"""The app's only door to the engine: load each model once, run a method, turn errors into gr.Error.
+
+Models load lazily, once per (preset, device), and are shared by every session; the queue runs
+one decoding at a time (see ui.py), so sharing a target is safe. Every SpecFlashError becomes a
+gr.Error carrying the engine's own message (bad prompt, bad knob, preset that needs files), so a
+user never sees a stack trace. On a ZeroGPU Space the decoding generator runs under
+`spaces.GPU`; it yields plain CPU-side records only (ids and floats), never tensors.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import gradio as gr
+import torch
+
+import specflash
+from specflash.api import default_device
+from specflash.cli import default_drafter
+from specflash.config import SamplingConfig, config_to_dict
+from specflash.engine import Decoding
+from specflash.errors import SpecFlashError
+from specflash.metrics import summarize
+from specflash.models.target import TargetModel
+from specflash.trace import RunRecord, StepRecord
+
+try:  # a ZeroGPU Space: run decoding on the borrowed GPU
+    import spaces
+
+    gpu: Callable = spaces.GPU(duration=120)
+except ImportError:  # anywhere else: the identity
+
+    def gpu(fn: Callable) -> Callable:
+        return fn
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """Show any SpecFlashError as a gr.Error with the engine's message, without a traceback."""
+    try:
+        yield
+    except SpecFlashError as exc:
+        message = " ".join(str(exc).split())
+        raise gr.Error(html.escape(message, quote=False), title=type(exc).__name__, print_exception=False) from None
+
+
+def devices() -> list[str]:
+    """Devices a user may pick here: cpu, and cuda when present."""
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def pack(decoding: Decoding, steps: list[StepRecord], method: str, finish_reason: str | None = None) -> RunRecord:
+    """The RunRecord of the steps so far (the same fields api.run_record fills at the end), so a
+    stopped run can still be inspected and exported."""
+    run = RunRecord(
+        method=method,
+        config=decoding.drafter.config_dict(),
+        sampling=config_to_dict(decoding.sampling),
+        model=decoding.target.name,
+        device=str(decoding.target.device),
+        prompt_ids=decoding.prompt_ids,
+        steps=list(steps),
+        output_ids=list(decoding.output),
+        finish_reason=finish_reason or decoding.finish_reason or "stopped",
+        prefill_time=steps[0].verify_time if steps else 0.0,
+    )
+    run.metrics = summarize(run)
+    return run
+
+
+class Runner:
+    """Loaded targets by (preset, device), and the calls the UI makes on them."""
+
+    def __init__(self, cache_dir: Path | None = None) -> None:
+        self.cache_dir = cache_dir
+        self._targets: dict[tuple[str, str], TargetModel] = {}
+        self._lock = threading.Lock()
+
+    def has(self, preset: str, device: str) -> bool:
+        """Whether this target is loaded already (else the UI says it is loading)."""
+        return (preset, device) in self._targets
+
+    def target(self, preset: str, device: str) -> TargetModel:
+        """The target for a preset on a device, loaded on first use."""
+        key = (preset, device)
+        with self._lock:
+            if key not in self._targets:
+                with engine_errors():
+                    self._targets[key] = specflash.load(preset, device=device, cache_dir=self.cache_dir)
+            return self._targets[key]
+
+    def loaded(self, preset: str) -> TargetModel | None:
+        return next((t for (name, _), t in self._targets.items() if name == preset), None)
+
+    def decoding(self, target: TargetModel, preset: str, prompt: str, method: str, sampling: SamplingConfig,
+                 max_new_tokens: int, options: dict[str, Any]) -> Decoding:
+        """A ready Decoding; the preset's drafter is used where the method needs one."""
+        with engine_errors():
+            drafter = default_drafter(preset, method, self.cache_dir)
+            return specflash.stream(target, prompt, method, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    drafter=drafter, options=options, cache_dir=self.cache_dir)
+
+    def stream(self, preset: str, device: str, prompt: str, method: str, sampling: SamplingConfig,
+               max_new_tokens: int, options: dict[str, Any]) -> Iterator[tuple[StepRecord, RunRecord]]:
+        """(the new step, the run so far) after every target forward."""
+        target = self.target(preset, device)
+        decoding = self.decoding(target, preset, prompt, method, sampling, max_new_tokens, options)
+        steps: list[StepRecord] = []
+        with engine_errors():
+            for step in _steps(decoding):
+                steps.append(step)
+                yield step, pack(decoding, steps, method, finish_reason="running")
+        yield steps[-1], pack(decoding, steps, method)
+
+    def generate(self, preset: str, device: str, prompt: str, method: str, sampling: SamplingConfig,
+                 max_new_tokens: int, options: dict[str, Any]) -> RunRecord:
+        """A whole run at once (the Compare panel)."""
+        run = None
+        for _, run in self.stream(preset, device, prompt, method, sampling, max_new_tokens, options):
+            pass
+        assert run is not None
+        return run
+
+    def token_texts(self, tokenizer: Any, ids: list[int], known: dict[int, str] | None = None) -> dict[int, str]:
+        """Text of each token id, decoded one id at a time (specials kept), reusing `known`."""
+        texts = dict(known or {})
+        for token in ids:
+            if token not in texts:
+                texts[token] = tokenizer.decode([token], skip_special_tokens=False)
+        return texts
+
+    def texts_for_run(self, run: RunRecord) -> tuple[dict[int, str], str]:
+        """(token texts, output text) for an imported run, from its model's tokenizer when this
+        machine has it; without one, tokens show as ⟨id⟩."""
+        target = self.loaded(run.model)
+        if target is None:
+            try:
+                target = self.target(run.model, default_device())
+            except gr.Error:
+                return {}, " ".join(f"⟨{t}⟩" for t in run.output_ids)
+        texts = self.token_texts(target.tokenizer, [t for s in run.steps for t in step_ids(s)])
+        return texts, target.tokenizer.decode(run.output_ids, skip_special_tokens=True)
+
+
+def step_ids(step: StepRecord) -> list[int]:
+    """Every token id a step's views may show: draft, correction, committed, and those inside
+    method extras (PTD draft trees, AdaFlash cut tokens)."""
+    ids = [*step.tokens, step.correction, *step.committed]
+    ptd = step.extras.get("ptd") if step.extras else None
+    if ptd:
+        ids += ptd["draft_before"]["tokens"] + ptd["draft_after"]["tokens"]
+    ada = step.extras.get("adaflash") if step.extras else None
+    if ada:
+        ids += list(ada.get("cut_tokens", []))
+    return ids
+
+
+@gpu
+def _steps(decoding: Decoding) -> Iterator[StepRecord]:
+    """The decoding loop, on the GPU where one is borrowed; yields CPU-side StepRecords."""
+    yield from decoding
