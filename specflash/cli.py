@@ -128,6 +128,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr is for our one-line errors and summaries
     try:
         if args.command == "methods":
             return cmd_methods()
