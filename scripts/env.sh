@@ -19,6 +19,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # notebooks' kernels import specflash from here
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 export TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}"
 cd "$root"
