@@ -21,6 +21,7 @@ LABELS = {
     "max_ngram": "max n-gram",
     "min_ngram": "min n-gram",
     "block_size": "block size",
+    "max_draft": "max draft length",
     "alpha": "α",
     "beta": "β",
 }
@@ -37,7 +38,8 @@ class Knob:
 
     @property
     def label(self) -> str:
-        return LABELS.get(self.name, self.name.replace("_", " "))
+        label = LABELS.get(self.name, self.name.replace("_", " "))
+        return label + " (blank: the method's choice)" if self.default is None else label
 
 
 def method_available(name: str) -> bool:
@@ -53,14 +55,28 @@ def unavailable_methods() -> list[str]:
     return [name for name in METHODS if not method_available(name)]
 
 
+_PLAIN = (bool, int, float, str)
+
+
+def _kind(f: dataclasses.Field) -> type | None:
+    """The plain type of a field with a default: from the default, or from the annotation when
+    the default is None ("int | None" means: blank for the method's own choice, or an int)."""
+    if isinstance(f.default, _PLAIN):
+        return type(f.default)
+    if f.default is None:
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        return next((t for t in _PLAIN if annotation.split("|")[0].strip() == t.__name__), None)
+    return None
+
+
 def method_knobs(name: str) -> list[Knob]:
-    """The knobs of one method, in field order; fields without a plain default are left out."""
+    """The knobs of one method, in field order; fields that are not plain values are left out."""
     config_cls = METHODS[name].load().CONFIG
     knobs = []
     for f in dataclasses.fields(config_cls):
-        if f.default is dataclasses.MISSING or not isinstance(f.default, (bool, int, float, str)):
-            continue
-        knobs.append(Knob(name, f.name, f.default, type(f.default)))
+        kind = _kind(f)
+        if kind is not None:
+            knobs.append(Knob(name, f.name, f.default, kind))
     return knobs
 
 
@@ -73,7 +89,7 @@ def options_for(method: str, knobs: list[Knob], values: list[Any]) -> dict[str, 
     """The `options` dict for specflash.stream: this method's knob values, cast to their types.
 
     A value equal to the default is still passed, so the RunRecord's config says what ran.
-    A blank value falls back to the default.
+    A blank value falls back to the default (None: the method picks).
     """
     options = {}
     for knob, value in zip(knobs, values):

@@ -9,7 +9,6 @@ user never sees a stack trace. On a ZeroGPU Space the decoding generator runs un
 
 from __future__ import annotations
 
-import html
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,7 +44,7 @@ def engine_errors() -> Iterator[None]:
         yield
     except SpecFlashError as exc:
         message = " ".join(str(exc).split())
-        raise gr.Error(html.escape(message, quote=False), title=type(exc).__name__, print_exception=False) from None
+        raise gr.Error(message, title=type(exc).__name__, print_exception=False) from None
 
 
 def devices() -> list[str]:

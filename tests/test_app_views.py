@@ -147,6 +147,20 @@ def test_ptd_figure_highlights_the_accepted_path_and_colours_the_update():
     assert "guess size 4, lookahead size 4" in fig.layout.title.text
 
 
+def test_ptd_figure_of_a_real_ptd_run_matches_its_extras(runs, texts):
+    if "ptd" not in runs:
+        pytest.skip("specflash/drafters/ptd.py is not in this checkout")
+    step = next(s for s in runs["ptd"].steps if s.extras.get("ptd", {}).get("added"))
+    ptd = step.extras["ptd"]
+    fig = views_tree.ptd_figure(step, texts)
+    added = [i for t in _traces(fig, "added") for i in t.customdata]
+    assert sorted(added) == sorted(ptd["added"])
+    pruned = [i for t in _traces(fig, "pruned") for i in t.customdata]
+    assert sorted(pruned) == sorted(ptd["pruned"])
+    n_nodes = sum(len(t.customdata) for t in fig.data if t.name in views_tree.NODE_COLOURS)
+    assert n_nodes == len(step.tokens) + len(ptd["draft_before"]["tokens"]) + len(ptd["draft_after"]["tokens"])
+
+
 def test_ptd_empty_state_for_other_methods(runs):
     assert not views_tree.has_ptd(runs["ar"].steps)
     assert views_tree.has_ptd([ptd_step()])
@@ -196,6 +210,9 @@ def test_options_come_from_the_method_configs():
     knobs = all_knobs(["ar", "draft", "pld"])
     assert [k.name for k in method_knobs("pld")] == ["k", "max_ngram", "min_ngram"]
     assert method_knobs("ar") == []
+    if "dflash" in available_methods():  # an `int | None` knob: blank means the method's choice
+        (knob,) = [k for k in method_knobs("dflash") if k.default is None][:1]
+        assert knob.kind is int and "blank" in knob.label
     values = [4.0, 6.0, 3.0, 1.0]
     assert options_for("pld", knobs, values) == {"k": 6, "max_ngram": 3, "min_ngram": 1}
     assert options_for("draft", knobs, [None, 6, 3, 1]) == {"k": 4}
