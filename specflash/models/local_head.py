@@ -1,0 +1,103 @@
+"""DeLS-Spec's short-context expert: a small GRU that reads only the tokens inside the block.
+
+DFlash predicts each block position from the context alone, so position k cannot see what was
+drafted at positions < k. The local head fills that gap: it runs over the frozen target
+embeddings of the block's own tokens and predicts the next one, through the target's frozen LM
+head (a projection to the target's hidden size, then the LM head: no vocabulary-sized weights
+of its own, so it stays a few MB). It never sees the target's hidden states, so it is trained
+on plain text with next-token prediction and works with any DFlash drafter of the same target.
+
+Checkpoint: config.json (architectures ["DeLSLocalHead"]) + model.safetensors with
+`gru.weight_ih_l0`, `gru.weight_hh_l0`, `proj.weight` and `log_prior` (the log unigram
+frequency of the training tokens, the l_prior of the fusion rule).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import CheckpointError, DrafterMismatchError
+
+_ARCH = "DeLSLocalHead"
+
+
+@dataclass(frozen=True)
+class LocalHeadSpec:
+    vocab_size: int
+    embed_dim: int  # the target's hidden size (its embeddings in, its LM head out)
+    gru_hidden_size: int = 512
+    block_size: int = 16
+
+
+class LocalHead(nn.Module):
+    """GRU over block tokens -> logits of the next token. Borrowed embedding and LM head are kept
+    out of parameters() and state_dict(), like the DFlash drafter's."""
+
+    def __init__(self, spec: LocalHeadSpec, embed: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gru = nn.GRU(spec.embed_dim, spec.gru_hidden_size, bias=False, batch_first=True)
+        self.proj = nn.Linear(spec.gru_hidden_size, spec.embed_dim, bias=False)
+        self.register_buffer("log_prior", torch.zeros(spec.vocab_size))
+        self._borrowed = (embed, lm_head)
+
+    def forward(self, ids: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, T] -> (logits [B, T, V]: position j predicts token j+1, GRU state [1, B, G])."""
+        emb = self._borrowed[0](ids).to(self.proj.weight.dtype)  # [B, T, E]
+        out, state = self.gru(emb, state)  # [B, T, G]
+        return self._borrowed[1](self.proj(out).to(self._borrowed[1].weight.dtype)).float(), state
+
+
+def check_fits(spec: LocalHeadSpec, target) -> None:
+    if spec.vocab_size != target.vocab_size or spec.embed_dim != target.hidden_size:
+        raise DrafterMismatchError(
+            f"local head expects vocab {spec.vocab_size} and hidden size {spec.embed_dim}; the target has "
+            f"vocab {target.vocab_size} and hidden size {target.hidden_size}: train a local head for this target"
+        )
+
+
+def build_local_head(spec: LocalHeadSpec, target) -> LocalHead:
+    check_fits(spec, target)
+    model = target.model
+    head = LocalHead(spec, model.get_input_embeddings(), model.get_output_embeddings())
+    return head.to(device=target.device, dtype=target.dtype)
+
+
+def save_local_head(head: LocalHead, folder: Path, dtype: torch.dtype = torch.float16, extra: dict | None = None) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": [_ARCH], "head_type": "rnn", **asdict(head.spec), **(extra or {})}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items() if k != "log_prior"}
+    tensors["log_prior"] = head.log_prior.detach().float().cpu().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def load_local_head(folder: Path | str, target) -> LocalHead:
+    """Read a saved local head for `target`, with strict key and shape checks."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        tensors = load_file(str(folder / "model.safetensors"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"local head checkpoint incomplete in {folder}: {exc.filename} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the local head in {folder}: {exc}") from None
+    if _ARCH not in config.get("architectures", []):
+        raise CheckpointError(f"{folder} is not a DeLS local head (architectures: {config.get('architectures')})")
+    spec = LocalHeadSpec(**{k: config[k] for k in LocalHeadSpec.__dataclass_fields__})
+    head = build_local_head(spec, target)
+    expected = set(head.state_dict())
+    if set(tensors) != expected:
+        raise CheckpointError(
+            f"local head tensors in {folder} do not match its config: missing {sorted(expected - set(tensors))}, "
+            f"unexpected {sorted(set(tensors) - expected)}"
+        )
+    head.load_state_dict({k: v.to(target.dtype) if k != "log_prior" else v for k, v in tensors.items()})
+    return head.eval()

@@ -1,0 +1,144 @@
+"""Train DeLS-Spec's local head: `python -m specflash.training.local_head`.
+
+Plain next-token prediction on the same anchored blocks DFlash trains on, decay-weighted, with
+no target forward at all (only the target's frozen embeddings and LM head), so it costs minutes
+where a drafter costs hours. Checkpoints (weights + optimizer + step) go to a cache folder and a
+restart resumes from the last one; `--export` writes the fp16 head that the `dels` method loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from ..models.local_head import LocalHead, LocalHeadSpec, build_local_head, save_local_head
+from .data import Sample, load_shards
+
+
+def unigram_log_prior(samples: Sequence[Sample], vocab_size: int) -> torch.Tensor:
+    """log p(token) over the loss tokens of the training data, add-one smoothed: l_prior."""
+    counts = torch.ones(vocab_size, dtype=torch.float64)
+    for s in samples:
+        ids = torch.tensor(s.token_ids[s.prompt_len :], dtype=torch.long)
+        counts += torch.bincount(ids[ids < vocab_size], minlength=vocab_size).double()
+    return (counts / counts.sum()).log().float()
+
+
+def anchored_blocks(samples: Sequence[Sample], block_size: int, per_sample: int, rng: random.Random) -> torch.Tensor:
+    """[N, L] token blocks whose first token is committed context and whose next L-1 tokens are
+    response tokens (the ones a drafter would have to predict)."""
+    blocks = []
+    for s in samples:
+        first, last = max(s.prompt_len - 1, 0), len(s.token_ids) - block_size
+        if last < first:
+            continue
+        for a in rng.sample(range(first, last + 1), min(per_sample, last - first + 1)):
+            blocks.append(s.token_ids[a : a + block_size])
+    if not blocks:
+        raise ValueError(f"no sample is long enough for blocks of {block_size} tokens")
+    return torch.tensor(blocks, dtype=torch.long)
+
+
+def block_loss(head: LocalHead, blocks: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Decay-weighted CE: slot k (1..L-1) predicted from tokens 0..k-1, weight exp(-(k-1)/gamma)."""
+    logits, _ = head(blocks[:, :-1])  # [B, L-1, V]
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten(), reduction="none")
+    k = torch.arange(blocks.shape[1] - 1, device=blocks.device, dtype=torch.float32)
+    weights = torch.exp(-k / gamma).repeat(blocks.shape[0])
+    return (ce * weights).sum() / weights.sum()
+
+
+def _checkpoint(out: Path, head: LocalHead, opt: torch.optim.Optimizer, step: int, args: argparse.Namespace) -> None:
+    tmp = out / "checkpoint.pt.tmp"
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "args": vars(args)}, tmp)
+    tmp.replace(out / "checkpoint.pt")
+
+
+def train(args: argparse.Namespace) -> Path:
+    from ..api import load
+
+    torch.manual_seed(args.seed)
+    target = load(args.model, device=args.device, dtype=torch.float32)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    samples = [s for d in args.data.split(",") for s in load_shards(Path(d).expanduser())]
+    spec = LocalHeadSpec(target.vocab_size, target.hidden_size, args.hidden, args.block_size)
+    head = build_local_head(spec, target)
+    head.log_prior.copy_(unigram_log_prior(samples, target.vocab_size))
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    out = Path(args.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    step = 0
+    if (out / "checkpoint.pt").exists():
+        state = torch.load(out / "checkpoint.pt", map_location=target.device)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        print(f"resuming from step {step}", file=sys.stderr)
+    rng = random.Random(args.seed + step)
+    blocks = anchored_blocks(samples, args.block_size, args.anchors_per_sample, rng).to(target.device)
+    log = []
+    t0 = time.perf_counter()
+    bar = tqdm(range(step, args.steps), initial=step, total=args.steps, desc="local head")
+    for step in bar:
+        batch = blocks[torch.randint(len(blocks), (args.batch,))]
+        loss = block_loss(head, batch, args.gamma)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        log.append(loss.item())
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+            _checkpoint(out, head, opt, step + 1, args)
+    summary = {
+        "steps": args.steps, "blocks": len(blocks), "samples": len(samples), "seconds_this_run": time.perf_counter() - t0,
+        "final_loss": sum(log[-20:]) / max(len(log[-20:]), 1) if log else None,
+        "tokens_trained": args.steps * args.batch * (args.block_size - 1),
+    }
+    (out / "train_log.json").write_text(json.dumps({**summary, "args": vars(args)}, indent=2))
+    if args.export:
+        save_local_head(head, Path(args.export), extra={"training": summary})
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specflash.training.local_head", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--data", required=True, help="comma-separated shard folders from specflash.training.data")
+    p.add_argument("--out", default=None, help="checkpoint folder (default: ~/.cache/specflash/train/local-head-<model>)")
+    p.add_argument("--export", default=None, help="write the fp16 head here when done (e.g. assets/heads/...)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gamma", type=float, default=7.0)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=64, help="blocks per step")
+    p.add_argument("--anchors-per-sample", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.out is None:
+        from ..models.acquire import default_cache_dir
+
+        args.out = str(default_cache_dir() / "train" / f"local-head-{Path(args.model).name}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    train(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
