@@ -1,0 +1,193 @@
+"""DFlash checkpoints in the z-lab format: config.json + model.safetensors, read with no remote code.
+
+The format is what z-lab releases and what vLLM and SGLang load for `dflash` speculation: a
+Qwen3 config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"]) plus `block_size`,
+`num_target_layers` and `dflash_config {mask_token_id, target_layer_ids}`, and the drafter's own
+tensors only (no embedding / LM head). We parse config.json ourselves, check every tensor name
+strictly (only the optional `thresh_head_*` tensors of some releases are ignored) and check the
+drafter against the target before any weight is used, so a mismatch fails with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import CheckpointError, DrafterMismatchError
+from .dflash import DFlashDrafter, DFlashSpec, default_target_layers
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+_IGNORED_PREFIXES = ("thresh_head",)
+
+
+def spec_from_config(cfg: dict[str, Any]) -> DFlashSpec:
+    """A DFlashSpec from a parsed config.json (either rope_theta/rope_scaling or rope_parameters)."""
+    try:
+        dflash = cfg.get("dflash_config") or {}
+        n_layers = int(cfg["num_hidden_layers"])
+        n_target = int(cfg["num_target_layers"])
+        layer_ids = dflash.get("target_layer_ids") or default_target_layers(n_target, n_layers)
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+        rope.pop("rope_theta", None)
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return DFlashSpec(
+            hidden_size=hidden, num_layers=n_layers, num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+            block_size=int(cfg["block_size"]), num_target_layers=n_target,
+            target_layer_ids=tuple(int(i) for i in layer_ids), mask_token_id=int(dflash["mask_token_id"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"DFlash config.json is missing or has a bad key: {exc!r}") from None
+
+
+def config_from_spec(spec: DFlashSpec, dtype: torch.dtype, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The z-lab config.json of a drafter; `extra` adds keys (e.g. how it was trained)."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "hidden_act": "silu",
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": spec.rope_scaling,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * spec.num_layers,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "block_size": spec.block_size,
+        "num_target_layers": spec.num_target_layers,
+        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids)},
+        **(extra or {}),
+    }
+
+
+def save_drafter(model: DFlashDrafter, folder: Path | str, dtype: torch.dtype = torch.float16,
+                 extra: dict[str, Any] | None = None) -> Path:
+    """Write config.json + model.safetensors (own tensors only, in `dtype`) into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    tmp = folder / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / WEIGHTS_FILE)
+    text = json.dumps(config_from_spec(model.spec, dtype, extra), indent=2) + "\n"
+    (folder / CONFIG_FILE).write_text(text, encoding="utf-8")
+    return folder
+
+
+def read_config(folder: Path | str) -> dict[str, Any]:
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a DFlash drafter folder needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+
+def check_fits(spec: DFlashSpec, target, name: str) -> None:
+    """Raise DrafterMismatchError unless the drafter can run on this target."""
+    problems = []
+    if spec.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {spec.hidden_size} != target's {target.hidden_size}")
+    if spec.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {spec.vocab_size} != target's {target.vocab_size}")
+    if spec.num_target_layers != target.num_layers:
+        problems.append(f"trained on a {spec.num_target_layers}-layer target, this one has {target.num_layers}")
+    if not 0 <= spec.mask_token_id < target.vocab_size:
+        problems.append(f"mask token id {spec.mask_token_id} outside the target's vocabulary [0, {target.vocab_size})")
+    bad = [i for i in spec.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"target layer ids {bad} out of range")
+    if problems:
+        raise DrafterMismatchError(f"DFlash drafter {name} does not fit target {target.name!r}: " + "; ".join(problems))
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a DFlash drafter folder needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
+def load_state(model: DFlashDrafter, tensors: dict[str, torch.Tensor], name: str) -> None:
+    """Strict load: every expected tensor present with its shape, nothing unknown (but thresh_head_*)."""
+    expected = model.state_dict()
+    given = {k: v for k, v in tensors.items() if not k.startswith(_IGNORED_PREFIXES)}
+    missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{name}: tensors do not match its config: missing {missing[:6]}, unexpected {unexpected[:6]}")
+    shapes = [k for k in expected if tuple(given[k].shape) != tuple(expected[k].shape)]
+    if shapes:
+        k = shapes[0]
+        raise CheckpointError(f"{name}: tensor {k} has shape {tuple(given[k].shape)}, config says {tuple(expected[k].shape)}")
+    model.load_state_dict(given, strict=True)
+
+
+def load_drafter(folder: Path | str, target) -> DFlashDrafter:
+    """A drafter from a z-lab-format folder, on the target's device and dtype, borrowing its
+    embedding and LM head; raises CheckpointError or DrafterMismatchError."""
+    folder = Path(folder)
+    spec = spec_from_config(read_config(folder))
+    check_fits(spec, target, str(folder))
+    tensors = _read_weights(folder / WEIGHTS_FILE)
+    model = new_drafter(spec, target)
+    load_state(model, tensors, str(folder))
+    return model.to(target.device, target.dtype).eval()
+
+
+def new_drafter(spec: DFlashSpec, target) -> DFlashDrafter:
+    """An untrained drafter on the target's device/dtype, with the target's frozen embedding and head."""
+    embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    for p in (*embed.parameters(), *head.parameters()):
+        p.requires_grad_(False)
+    return DFlashDrafter(spec, embed, head).to(target.device, target.dtype)
+
+
+def spec_dict(spec: DFlashSpec) -> dict[str, Any]:
+    return asdict(spec)
+
+
+# Named special tokens that chat models never emit, tried in order when a tokenizer has no mask
+# token (SmolLM2: "<empty_output>", id 16, a StarCoder-era Jupyter marker).
+_FALLBACK_MASKS = ("<|MASK|>", "<|mask|>", "<mask>", "<empty_output>")
+
+
+def pick_mask_token(tokenizer) -> int:
+    """The tokenizer's mask token if it has one, else the first unused special of _FALLBACK_MASKS."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    vocab = tokenizer.get_vocab()
+    for name in _FALLBACK_MASKS:
+        if name in vocab:
+            return int(vocab[name])
+    raise DrafterMismatchError(
+        "the tokenizer has no mask token and none of " + ", ".join(_FALLBACK_MASKS) + "; pass --mask-token-id"
+    )
