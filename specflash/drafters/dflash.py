@@ -1,0 +1,136 @@
+"""DFlash in the engine: one drafter forward per step drafts a block of argmax tokens.
+
+The engine hands the drafter the target features of every newly committed position (`observe`);
+they wait until the next `propose`, which appends their projected K/V to the drafter's context
+cache and runs the block [last committed token, MASK x (L-1)] through the drafter once. The
+drafts are argmax tokens proposed as point masses (q = None), even at temperature > 0: the
+engine's point-mass rule then keeps the output distribution exactly the target's, and argmax
+blocks are far more coherent than tokens sampled independently per position (methods.md §1.2).
+The drafter's softmax probability of each drafted token goes into the trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, MethodConfigError
+from ..models.dflash import DFlashCache, DFlashDrafter
+from ..tree import DraftTree
+from .base import Draft, Drafter
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """DFlash: the checkpoint fixes the block size L; `max_draft` (None = L - 1) caps the number
+    of drafted tokens per step, e.g. to trade acceptance for cheaper verification."""
+
+    max_draft: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_draft is not None and (
+            not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or self.max_draft < 1
+        ):
+            raise MethodConfigError(f"max_draft must be an integer >= 1 or None, got {self.max_draft!r}")
+
+
+class DFlashEngineDrafter(Drafter):
+    name = "dflash"
+
+    def __init__(self, model: DFlashDrafter, cfg: DFlashConfig) -> None:
+        self.model = model.eval()
+        self.cfg = cfg
+        self.spec = model.spec
+        self.feature_layers = tuple(self.spec.target_layer_ids)
+        self.device = next(model.parameters()).device
+
+    def begin(self, prompt_ids: list[int], sampling, generator) -> None:
+        super().begin(prompt_ids, sampling, generator)
+        self.cache = DFlashCache(self.spec.num_layers)
+        self.pending: list[torch.Tensor] = []  # features [m, n_feat*H] not yet in the cache
+
+    def observe(self, features: torch.Tensor) -> None:
+        self.pending.append(features)
+
+    @property
+    def draft_len(self) -> int:
+        longest = self.spec.block_size - 1
+        return longest if self.cfg.max_draft is None else min(longest, self.cfg.max_draft)
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], max_len: int) -> Draft:
+        k = min(self.draft_len, max_len)
+        if k <= 0:
+            return Draft.empty()
+        # Slots 1..k of one block forward predict the next k tokens; propose their argmax as a chain.
+        probs = torch.softmax(self.block_logits(context, k).float(), dim=-1)  # [k, V]
+        best = probs.max(dim=-1)
+        return Draft(
+            DraftTree.chain(best.indices.tolist()),
+            q=None,
+            q_token=best.values.tolist(),
+            extras={"dflash": {"block_size": self.spec.block_size}},
+        )
+
+    def block_logits(self, context: list[int], k: int) -> torch.Tensor:
+        """DFlash's logits [k, V] for the k positions after the context, from one forward pass;
+        also moves the features observed since the last call into the drafter cache."""
+        # 1. New context: the features of positions committed since the last step.
+        start = len(self.cache)
+        features = torch.cat(self.pending) if self.pending else self._no_features()  # [C, n_feat*H]
+        self.pending = []
+        if start + len(features) != len(context) - 1:
+            raise RuntimeError(
+                f"DFlash context out of sync: {start + len(features)} positions observed, the target cache holds "
+                f"{len(context) - 1}"
+            )
+        # 2. One forward of the block [last, MASK x (L-1)] at positions len(context) - 1 ...
+        L, root = self.spec.block_size, len(context) - 1
+        block = torch.full((1, L), self.spec.mask_token_id, dtype=torch.long, device=self.device)
+        block[0, 0] = context[-1]
+        block_pos = torch.arange(root, root + L, device=self.device)[None]
+        ctx_pos = torch.arange(start, root, device=self.device)[None]
+        hidden = self.model(block, block_pos, features[None], ctx_pos, None, self.cache)  # [1, L, H]
+        return self.model.logits(hidden[0, 1 : k + 1])
+
+    def _no_features(self) -> torch.Tensor:
+        width = self.model.fc.in_features
+        return torch.zeros(0, width, device=self.device, dtype=self.model.fc.weight.dtype)
+
+    def config_dict(self) -> dict[str, Any]:
+        return {**asdict(self.cfg), "block_size": self.spec.block_size,
+                "target_layer_ids": list(self.feature_layers), "draft_layers": self.spec.num_layers}
+
+
+CONFIG = DFlashConfig
+
+
+def _drafter_folder(drafter: str) -> Path:
+    """A local folder, or a hub id found in the local Hugging Face cache (no download)."""
+    path = Path(drafter)
+    if path.is_dir():
+        return path
+    if not path.exists() and "/" in drafter and not drafter.startswith((".", "/")):
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(drafter, "config.json")
+        if isinstance(config, str):
+            return Path(config).parent
+    raise CheckpointError(
+        f"DFlash drafter {drafter!r} not found: pass a folder with config.json + model.safetensors "
+        "(train one with python -m specflash.training.dflash) or a hub id already in the local cache"
+    )
+
+
+def build(target, cfg: DFlashConfig, drafter: str | None, cache_dir: Path | None = None) -> DFlashEngineDrafter:
+    from ..models.dflash_io import load_drafter
+
+    if not drafter:
+        raise MethodConfigError(
+            "method 'dflash' needs a drafter: pass --drafter PATH (a DFlash checkpoint for this target); "
+            "the smollm2-135m preset ships one"
+        )
+    return DFlashEngineDrafter(load_drafter(_drafter_folder(str(drafter)), target), cfg)
