@@ -1,0 +1,340 @@
+"""Train a DFlash drafter for a target on shards from specflash.training.data.
+
+Why this shape: the target is frozen and only supplies teacher-forced hidden features (cached
+per shard, see dflash_features.py), so a step is one drafter forward over up to `--anchors`
+anchored blocks per sequence under the dense training mask, plus the borrowed LM head. AdamW,
+linear warmup then cosine decay, grad-norm clipping. Checkpoints (z-lab format + optimizer
+state + position in the data) are written every `--save-every` steps and when `--minutes` run
+out, into a cache folder outside the repo; running the same command again resumes from the last
+one, sample for sample.
+
+    python -m specflash.training.dflash --model PATH --data DIR[,DIR...] [--name NAME]
+        [--layers 1] [--block-size 8] [--feature-layers 3] [--minutes 30] [--export DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import platformdirs
+import torch
+from tqdm import tqdm
+
+from ..errors import SpecFlashError
+from ..models.dflash import DFlashDrafter, DFlashSpec, default_target_layers, loss_weights
+from ..models.dflash_io import load_state, new_drafter, pick_mask_token, read_config, save_drafter, spec_from_config
+from ..models.target import TargetModel
+from .data import MANIFEST, load_target, read_shard
+from .dflash_features import shard_features
+from .dflash_objective import make_sequence, sample_anchors, sequence_loss
+
+CHECKPOINT = "checkpoint"
+TRAINER_STATE = "trainer.pt"
+
+
+@dataclass
+class Progress:
+    """Where training stands: epoch, shard index within the epoch order, sequence within it."""
+
+    epoch: int = 0
+    shard_pos: int = 0
+    sample_pos: int = 0
+    step: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    shards: list[str] = field(default_factory=list)  # this epoch's shards, in training order
+
+
+def shard_paths(data_dirs: Seq[Path]) -> list[Path]:
+    """Every finished shard of every data folder, in manifest order."""
+    paths = []
+    for d in data_dirs:
+        manifest = Path(d) / MANIFEST
+        if not manifest.is_file():
+            raise SpecFlashError(f"{d} has no {MANIFEST}; make data with python -m specflash.training.data")
+        paths += [Path(d) / s["file"] for s in json.loads(manifest.read_text(encoding="utf-8"))["shards"]]
+    if not paths:
+        raise SpecFlashError("no finished shards in " + ", ".join(map(str, data_dirs)))
+    return paths
+
+
+def _order(n: int, seed: int, *salt: int) -> list[int]:
+    g = torch.Generator().manual_seed(hash((seed, *salt)) & 0x7FFFFFFF)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def learning_rate(args: argparse.Namespace, step: int, total: int) -> float:
+    """Linear warmup over `--warmup` of the steps, then cosine down to 10% of `--lr`."""
+    warm = max(1, int(args.warmup * total))
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    t = min(1.0, (step - warm) / max(1, total - warm))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def build_spec(args: argparse.Namespace, target: TargetModel) -> DFlashSpec:
+    """The drafter's shape: target-sized hidden/heads (it shares embedding and head), own depth."""
+    cfg = target.config
+    heads = int(cfg.num_attention_heads)
+    layer_ids = tuple(args.target_layer_ids or default_target_layers(target.num_layers, args.feature_layers))
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = float(rope.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    return DFlashSpec(
+        hidden_size=target.hidden_size, num_layers=args.layers, num_heads=heads,
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", heads) or heads),
+        head_dim=int(getattr(cfg, "head_dim", None) or target.hidden_size // heads),
+        intermediate_size=args.intermediate_size or int(cfg.intermediate_size), vocab_size=target.vocab_size,
+        block_size=args.block_size, num_target_layers=target.num_layers, target_layer_ids=layer_ids,
+        mask_token_id=args.mask_token_id if args.mask_token_id is not None else pick_mask_token(target.tokenizer),
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+    )
+
+
+def save_checkpoint(out: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, progress: Progress) -> None:
+    """z-lab folder (fp32) + trainer state, swapped in atomically for the previous checkpoint."""
+    tmp, final, old = out / f"{CHECKPOINT}.tmp", out / CHECKPOINT, out / f"{CHECKPOINT}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(model, tmp, dtype=torch.float32)
+    torch.save({"optimizer": opt.state_dict(), "progress": asdict(progress)}, tmp / TRAINER_STATE)
+    if final.exists():
+        final.replace(old)
+    tmp.replace(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def init_or_resume(args, target: TargetModel, out: Path) -> tuple[DFlashDrafter, torch.optim.Optimizer, Progress]:
+    """A fresh drafter, or the last checkpoint in `out` (whose shape must match the arguments)."""
+    spec = build_spec(args, target)
+    model = new_drafter(spec, target).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    ckpt = out / CHECKPOINT
+    if not (ckpt / TRAINER_STATE).is_file():
+        model.init_weights(torch.Generator().manual_seed(args.seed))
+        _copy_final_norm(target, model)
+        return model, opt, Progress()
+    saved = spec_from_config(read_config(ckpt))
+    if saved != spec:
+        raise SpecFlashError(f"{ckpt} holds a drafter of another shape ({saved}); pass another --name")
+    from safetensors.torch import load_file
+
+    load_state(model, load_file(str(ckpt / "model.safetensors")), str(ckpt))
+    state = torch.load(ckpt / TRAINER_STATE, map_location=target.device, weights_only=True)
+    opt.load_state_dict(state["optimizer"])
+    return model, opt, Progress(**state["progress"])
+
+
+def _copy_final_norm(target: TargetModel, model: DFlashDrafter) -> None:
+    """Start the drafter's final norm at the target's: both feed the same LM head, and unit
+    weights can give logits far too large (initial loss ~75 instead of ~ln V on SmolLM2)."""
+    decoder = target.model.get_decoder() if hasattr(target.model, "get_decoder") else None
+    norm = getattr(decoder, "norm", None)
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.shape == model.norm.weight.shape:
+        with torch.no_grad():
+            model.norm.weight.copy_(weight.float())
+
+
+def frequent_tokens(shards: list[Path], k: int, vocab_size: int) -> torch.Tensor:
+    """The `k` ids the target emits most often in the data (its restricted training head), sorted."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for shard in shards:
+        for s in read_shard(shard):
+            ids = s.labels if s.labels is not None else s.token_ids[max(1, s.prompt_len):]
+            counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)
+    return counts.argsort(descending=True)[:k].sort().values
+
+
+def _step(args, model, opt, batch, weights, progress: Progress, total: int, vocab=None) -> dict:
+    """One optimizer step over a few sequences (each its own forward; losses summed, normalised)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + progress.step)
+    stats = []
+    device_type = next(model.parameters()).device.type
+    for seq, feats in batch:
+        anchors = sample_anchors(seq, args.anchors, g)
+        if len(anchors) == 0:
+            continue
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+            stats.append(sequence_loss(model, seq, feats, anchors, weights, vocab))
+    total_w = sum(s.weight for s in stats)
+    if total_w == 0:
+        return {}
+    loss = sum(s.loss for s in stats) / total_w
+    for group in opt.param_groups:
+        group["lr"] = learning_rate(args, progress.step, total)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    opt.step()
+    blocks = sum(s.blocks for s in stats)
+    return {"loss": float(loss.detach()), "acc1": sum(s.slot1_correct for s in stats) / blocks,
+            "tau": 1 + sum(s.accepted for s in stats) / blocks}
+
+
+def _total_steps(args, data_dirs: Seq[Path]) -> int:
+    """`--steps`, or enough steps for `--epochs` passes over every sample."""
+    samples = sum(len(s["ids"]) for d in data_dirs
+                  for s in json.loads((Path(d) / MANIFEST).read_text(encoding="utf-8"))["shards"])
+    return args.steps or max(1, args.epochs * math.ceil(samples / args.seqs_per_step))
+
+
+@dataclass
+class _Run:
+    """Everything a training run holds while it goes."""
+
+    args: argparse.Namespace
+    target: TargetModel
+    model: DFlashDrafter
+    opt: torch.optim.Optimizer
+    progress: Progress
+    out: Path
+    total: int
+    weights: torch.Tensor
+    feature_cache: Path | None
+    bar: tqdm
+    clock: float  # perf_counter at start minus seconds already trained
+    last_save: int = 0
+    vocab: torch.Tensor | None = None  # restricted training head (None = full vocabulary)
+
+    def finished(self) -> bool:
+        p, minutes = self.progress, self.args.minutes
+        return p.step >= self.total or p.epoch >= self.args.epochs or bool(minutes and p.seconds > minutes * 60)
+
+
+def _train_shard(run: _Run, shard: Path) -> None:
+    """Steps over the remaining sequences of one shard, in a seeded order."""
+    args, p = run.args, run.progress
+    samples = read_shard(shard)
+    feats = shard_features(run.target, samples, shard, run.model.spec.target_layer_ids, run.feature_cache)
+    within = _order(len(samples), args.seed, p.epoch, p.shard_pos)
+    while p.sample_pos < len(samples) and not run.finished():
+        idx = within[p.sample_pos : p.sample_pos + args.seqs_per_step]
+        batch = [(make_sequence(samples[i].token_ids, samples[i].prompt_len, samples[i].labels),
+                  feats[i].to(run.target.device, torch.float32)) for i in idx]
+        stats = _step(args, run.model, run.opt, batch, run.weights, p, run.total, run.vocab)
+        p.sample_pos, p.step = p.sample_pos + len(idx), p.step + 1
+        p.tokens += sum(len(samples[i].token_ids) for i in idx)
+        p.seconds = time.perf_counter() - run.clock
+        run.bar.update(1)
+        if stats:
+            run.bar.set_postfix(loss=f"{stats['loss']:.3f}", acc1=f"{stats['acc1']:.2f}", tau=f"{stats['tau']:.2f}")
+            if p.step % args.log_every == 0:
+                with (run.out / "log.jsonl").open("a", encoding="utf-8") as f:
+                    row = {k: v for k, v in asdict(p).items() if k != "shards"}
+                    f.write(json.dumps({**row, **stats}) + "\n")
+        if p.step - run.last_save >= args.save_every:
+            save_checkpoint(run.out, run.model, run.opt, p)
+            run.last_save = p.step
+    if p.sample_pos >= len(samples):
+        p.shard_pos, p.sample_pos = p.shard_pos + 1, 0
+
+
+def train(args: argparse.Namespace) -> Progress:
+    """Run (or resume) training until `--epochs`/`--steps` or `--minutes` are used up."""
+    out = Path(args.out or Path(platformdirs.user_cache_dir("specflash")) / "train" / f"dflash-{args.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model, tokenizer = load_target(Path(args.model), args.device, torch.float32)
+    target = TargetModel(hf_model, tokenizer, name=str(Path(args.model).resolve()))
+    model, opt, progress = init_or_resume(args, target, out)
+    total = _total_steps(args, args.data)
+    cache = None if args.no_feature_cache else Path(args.feature_cache or out.parent / "features")
+    bar = tqdm(total=total, initial=progress.step, unit="step", desc=f"dflash-{args.name}")
+    run = _Run(args, target, model, opt, progress, out, total, loss_weights(args.block_size, args.gamma),
+               cache, bar, time.perf_counter() - progress.seconds, progress.step)
+    if args.head_vocab:
+        run.vocab = frequent_tokens(shard_paths(args.data), args.head_vocab, target.vocab_size)
+    while not run.finished():
+        if not progress.shards:  # a new epoch sees every shard finished so far (data may still grow)
+            shards = shard_paths(args.data)
+            progress.shards = [str(shards[i]) for i in _order(len(shards), args.seed, progress.epoch)]
+        while progress.shard_pos < len(progress.shards) and not run.finished():
+            _train_shard(run, Path(progress.shards[progress.shard_pos]))
+        if progress.shard_pos >= len(progress.shards):
+            progress.epoch, progress.shard_pos, progress.shards = progress.epoch + 1, 0, []
+    bar.close()
+    save_checkpoint(out, model, opt, progress)
+    save_drafter(model, out / "export", dtype=torch.float16, extra=_recipe(args, progress))
+    if args.export:
+        shutil.copytree(out / "export", args.export, dirs_exist_ok=True)
+    return progress
+
+
+def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
+    """How the drafter was trained, stored in its config.json (ignored by loaders)."""
+    keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed")
+    return {"specflash_training": {**{k: getattr(args, k) for k in keep}, "data": [Path(d).name for d in args.data],
+                                   "steps": progress.step, "tokens": progress.tokens,
+                                   "minutes": round(progress.seconds / 60, 1)}}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specflash.training.dflash", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="local Hugging Face folder of the target")
+    p.add_argument("--data", required=True, type=lambda s: [Path(x) for x in s.split(",") if x],
+                   help="comma list of data folders (python -m specflash.training.data)")
+    p.add_argument("--name", default="run", help="run name: the cache folder is train/dflash-NAME")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default: per-user cache)")
+    p.add_argument("--export", type=Path, default=None, help="also copy the final fp16 drafter here")
+    p.add_argument("--layers", type=int, default=1, help="draft decoder layers")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--feature-layers", type=int, default=3, help="how many target layers feed the drafter")
+    p.add_argument("--target-layer-ids", type=_ints, default=None, help="explicit comma list (overrides the count)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask or an unused special")
+    p.add_argument("--gamma", type=float, default=None, help="loss decay exp(-(k-1)/gamma); default block_size/2")
+    p.add_argument("--head-vocab", type=int, default=0,
+                   help="train the softmax over the K most frequent target tokens + batch labels (0 = all)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=float, default=0.04, help="fraction of steps")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
+    p.add_argument("--seqs-per-step", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: the epochs)")
+    p.add_argument("--minutes", type=float, default=None, help="stop (with a checkpoint) after this much training")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--feature-cache", type=Path, default=None, help="default: train/features next to the run")
+    p.add_argument("--no-feature-cache", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for flag in ("layers", "feature_layers", "anchors", "seqs_per_step", "epochs", "save_every", "log_every"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.block_size < 2:
+        p.error("--block-size must be at least 2")
+    args.gamma = args.gamma or args.block_size / 2
+    return args
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    """CLI entry: exit 0 on success, 2 with a one-line message on bad input."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        progress = train(args)
+    except SpecFlashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"trained {progress.step} steps, {progress.tokens} tokens, {progress.seconds / 60:.1f} min", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

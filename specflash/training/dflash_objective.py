@@ -1,0 +1,91 @@
+"""The DFlash training objective on one teacher-forced sequence (SpecForge's recipe, methods.md §1.5).
+
+Anchors are sampled among response positions; block n is [token at a_n, MASK x (L-1)] at
+positions a_n.., it sees the target features of positions < a_n and its own block (the dense
+training mask), and slot k learns the token the target emits after position a_n + k - 1. The
+cross-entropy of slot k is weighted exp(-(k-1)/gamma): early slots matter most, since a draft is
+accepted only up to its first miss. Works for both shard kinds: in generated shards the target's
+next token is simply the next token; teacher-forced shards carry it as `labels`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models.dflash import DFlashDrafter, block_inputs, training_block_mask
+
+
+@dataclass
+class Sequence:
+    """One training sequence: tokens [S], the target's next token after each position
+    (`next_ids` [S'], S' = S - 1 for generated samples, S for teacher-forced), and the first
+    position that may anchor a block."""
+
+    tokens: torch.Tensor
+    next_ids: torch.Tensor
+    first_anchor: int
+
+
+def make_sequence(token_ids: list[int], prompt_len: int, labels: list[int] | None) -> Sequence:
+    tokens = torch.tensor(token_ids, dtype=torch.long)
+    if labels is not None:
+        return Sequence(tokens, torch.tensor(labels, dtype=torch.long), prompt_len)
+    return Sequence(tokens, tokens[1:], prompt_len)
+
+
+def sample_anchors(seq: Sequence, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to `max_anchors` sorted distinct anchors in [first_anchor, len(next_ids) - 1] ([N])."""
+    lo, hi = seq.first_anchor, len(seq.next_ids)
+    if hi <= lo:
+        return torch.zeros(0, dtype=torch.long)
+    pick = torch.randperm(hi - lo, generator=generator)[:max_anchors] + lo
+    return pick.sort().values
+
+
+def block_labels(next_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot k (1..L-1) of block n learns next_ids[a_n + k - 1]: labels, valid [N, L-1]."""
+    index = anchors[:, None] + torch.arange(block_size - 1)  # [N, L-1]
+    valid = index < len(next_ids)
+    return next_ids[index.clamp(max=len(next_ids) - 1)], valid
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor  # scalar, differentiable
+    weight: float  # sum of loss weights (for averaging across sequences)
+    slot1_correct: int
+    blocks: int
+    accepted: int  # sum over blocks of the leading run of correct slots (greedy acceptance)
+
+
+def sequence_loss(
+    model: DFlashDrafter,
+    seq: Sequence,
+    features: torch.Tensor,  # [S, n_feat*H] target features of every position
+    anchors: torch.Tensor,  # [N]
+    weights: torch.Tensor,  # [L-1] exp(-(k-1)/gamma)
+    vocab: torch.Tensor | None = None,  # [K] token ids the softmax runs over (None = all)
+) -> StepStats:
+    """Weighted CE (summed, not yet normalised) of all anchored blocks of one sequence. With
+    `vocab`, the softmax covers those ids plus this sequence's labels (a restricted head)."""
+    spec, device = model.spec, features.device
+    L, n = spec.block_size, len(anchors)
+    anchors = anchors.to(device)
+    ids, pos = block_inputs(seq.tokens.to(device)[None], anchors[None], L, spec.mask_token_id)  # [1, N*L]
+    mask = training_block_mask(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device), len(features), L)
+    ctx_pos = torch.arange(len(features), device=device)[None]
+    hidden = model(ids, pos, features[None], ctx_pos, mask)  # [1, N*L, H]
+    labels, valid = block_labels(seq.next_ids.to(device), anchors, L)
+    if vocab is not None:
+        vocab = torch.unique(torch.cat([vocab.to(device), labels.flatten()]))  # sorted [K']
+        labels = torch.searchsorted(vocab, labels)
+    logits = model.logits(hidden.view(n, L, -1)[:, 1:], vocab).float()  # [N, L-1, V or K']
+    w = weights.to(device)[None] * valid  # [N, L-1]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(n, L - 1)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid
+        leading = correct.long().cumprod(dim=1).sum(dim=1)
+    return StepStats((ce * w).sum(), float(w.sum()), int(correct[:, 0].sum()), n, int(leading.sum()))
