@@ -86,11 +86,12 @@ def _method_options(items: list[str]) -> dict[str, dict]:
     return per
 
 
-def summarize_samples(samples: list[Sample]) -> list[dict[str, Any]]:
-    """One row per method: medians, pooled acceptance, speedup as median of paired ratios."""
+def summarize_samples(samples: list[Sample], methods: list[str]) -> list[dict[str, Any]]:
+    """One row per method (in the given order): medians, pooled acceptance, speedup as the
+    median of paired ratios."""
     base = {(s.prompt_id, s.repeat): s for s in samples if s.method == "ar"}
     rows = []
-    for method in dict.fromkeys(s.method for s in samples):
+    for method in methods:
         mine = [s for s in samples if s.method == method]
         ratios = [base[(s.prompt_id, s.repeat)].wall / s.wall for s in mine if (s.prompt_id, s.repeat) in base]
         same = [s.output_ids == base[(s.prompt_id, s.repeat)].output_ids for s in mine if (s.prompt_id, s.repeat) in base]
@@ -168,8 +169,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 out, metrics = runners[name](encoded[prompt.id], args.max_new_tokens)
                 wall = time.perf_counter() - t0
                 samples.append(Sample(name, prompt.domain, prompt.id, repeat, wall, len(out), out, metrics))
-    rows = summarize_samples(samples)
-    per_domain = {d: summarize_samples([s for s in samples if s.domain == d]) for d in dict.fromkeys(s.domain for s in samples)}
+    rows = summarize_samples(samples, names)
+    domains = dict.fromkeys(s.domain for s in samples)
+    per_domain = {d: summarize_samples([s for s in samples if s.domain == d], names) for d in domains}
     device = device_label(target)
     print(format_table(rows, device))
     for domain, drows in per_domain.items():
