@@ -55,11 +55,10 @@ class RunInputs:
 
 
 def _first_drafted(run: RunRecord, key: str | None = None) -> int:
-    """The step a slider opens on: the first with a draft (or with extras[key]), else 0."""
-    for step in run.steps:
-        if (key is None and step.tokens) or (key is not None and step.extras.get(key)):
-            return step.step
-    return 0
+    """The step a slider opens on: the first with a draft (and extras[key] when given), else the
+    first with extras[key], else 0."""
+    keyed = [s for s in run.steps if key is None or s.extras.get(key)]
+    return next((s.step for s in keyed if s.tokens), keyed[0].step if keyed else 0)
 
 
 def _slider(run: RunRecord, value: int) -> dict:
@@ -187,14 +186,23 @@ def import_file(runner: Runner, path: str | None) -> tuple:
 def compare(runner: Runner, knobs: list[Knob], inputs: RunInputs, methods: list[str],
             knob_values: list[Any]) -> Iterator[tuple]:
     """Each chosen method (and ar, the baseline) on the same prompt, seed and sampling; one yield
-    per finished method: (table rows, summary figure, acceptance figure, status)."""
+    per method: (table rows, summary figure, acceptance figure, status). A method that cannot
+    run here (a missing drafter, say) is listed with the engine's message; the others still run."""
     chosen = ["ar"] + [m for m in (methods or []) if m != "ar"]
     sampling = inputs.sampling()
     runs: list[RunRecord] = []
+    skipped: list[str] = []
     for i, method in enumerate(chosen):
         note = loading_note(runner, inputs) or ""
         yield gr.skip(), gr.skip(), gr.skip(), f"{note} running {method} ({i + 1}/{len(chosen)})…"
-        runs.append(runner.generate(inputs.preset, inputs.device, inputs.prompt, method, sampling,
-                                    int(inputs.max_new_tokens), options_for(method, knobs, knob_values)))
+        try:
+            runs.append(runner.generate(inputs.preset, inputs.device, inputs.prompt, method, sampling,
+                                        int(inputs.max_new_tokens), options_for(method, knobs, knob_values)))
+        except gr.Error as exc:
+            if method == "ar":
+                raise
+            skipped.append(f"- **{method}** did not run: {exc.message}")
+        done = "Done" if i == len(chosen) - 1 else "So far"
+        status = "\n".join([f"{done}: {len(runs)} of {len(chosen)} methods ran, {views_compare.device_label(runs)}", *skipped])
         yield (views_compare.compare_rows(runs), views_compare.compare_figure(runs),
-               views_compare.acceptance_figure(runs), f"{len(runs)}/{len(chosen)} done: {views_compare.device_label(runs)}")
+               views_compare.acceptance_figure(runs), status)

@@ -95,13 +95,22 @@ def options_for(method: str, knobs: list[Knob], values: list[Any]) -> dict[str, 
     for knob, value in zip(knobs, values):
         if knob.method != method:
             continue
+        if isinstance(value, str) and knob.kind is not str:
+            value = value.strip()
         if value is None or value == "":
             value = knob.default
-        options[knob.name] = _cast(knob.kind, value)
+        options[knob.name] = value if value is None else _cast(knob.kind, value)
     return options
 
 
 def _cast(kind: type, value: Any) -> Any:
+    """Numbers typed into a text box become numbers; anything unreadable is passed on as it is,
+    for the engine's config to reject with its own message."""
+    if isinstance(value, str) and kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            return value
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):

@@ -34,6 +34,8 @@ def prompt_choices() -> list[tuple[str, str]]:
 
 
 def knob_component(knob: Knob) -> gr.components.Component:
+    if knob.default is None:  # a Number cannot be blank in the browser (it shows and sends 0)
+        return gr.Textbox(value="", label=knob.label, placeholder="blank")
     if knob.kind is bool:
         return gr.Checkbox(value=knob.default, label=knob.label)
     if knob.kind in (int, float):
@@ -73,7 +75,7 @@ def run_panel(default_model: str, methods: list[str]) -> dict[str, Any]:
                 c["top_p"] = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
             with gr.Row():
                 c["seed"] = gr.Number(value=0, precision=0, label="seed")
-                c["max_tokens"] = gr.Slider(1, 512, value=64, step=1, label="max new tokens")
+                c["max_tokens"] = gr.Slider(1, 512, value=64, step=1, label="max new tokens", elem_id="max-tokens")
             c["groups"], c["owners"], c["knobs"] = method_controls(methods, methods[0])
             missing = unavailable_methods()
             if missing:

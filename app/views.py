@@ -108,7 +108,7 @@ def stats_markdown(run: RunRecord) -> str:
         ("verified_per_committed", f"{m['verified_per_committed']:.2f}"),
         ("finish", run.finish_reason),
     ]
-    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
 def node_status(step: StepRecord) -> list[str]:

@@ -141,7 +141,7 @@ def ptd_figure(step: StepRecord, texts: Mapping[int, str]) -> go.Figure:
         _add_tree(fig, col, ptd[key]["tokens"], ptd[key]["parents"], cats, texts, shown)
     sizes = f"guess size {ptd.get('guess_size', '?')}, lookahead size {ptd.get('lookahead_size', '?')}"
     fig.update_layout(title=f"PTD step {step.step}: {sizes}", height=420, margin=dict(l=30, r=20, t=80, b=30),
-                      legend=dict(orientation="h", y=-0.08))
+                      legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
     fig.update_xaxes(title_text="depth", dtick=1)
     fig.update_yaxes(showticklabels=False)
     return fig

@@ -53,6 +53,7 @@ def run_args(prompt=PROMPT, method="ar", temperature=0.0, top_p=1.0, seed=0, kno
     """Positional inputs of /run: the Run panel's controls, then every knob (defaults unless given)."""
     knobs = knobs or {}
     values = [knobs.get(k.name, k.default) if k.method == method else k.default for k in KNOBS]
+    values = ["" if v is None else v for v in values]  # blank text boxes, as the browser sends them
     return [prompt, method, model, "cpu", temperature, top_p, seed, MAX_NEW, *values]
 
 

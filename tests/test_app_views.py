@@ -213,6 +213,8 @@ def test_options_come_from_the_method_configs():
     if "dflash" in available_methods():  # an `int | None` knob: blank means the method's choice
         (knob,) = [k for k in method_knobs("dflash") if k.default is None][:1]
         assert knob.kind is int and "blank" in knob.label
+        assert options_for("dflash", [knob], [" 3 "]) == {knob.name: 3}
+        assert options_for("dflash", [knob], [""]) == {knob.name: None}
     values = [4.0, 6.0, 3.0, 1.0]
     assert options_for("pld", knobs, values) == {"k": 6, "max_ngram": 3, "min_ngram": 1}
     assert options_for("draft", knobs, [None, 6, 3, 1]) == {"k": 4}
