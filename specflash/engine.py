@@ -24,7 +24,7 @@ from .trace import StepRecord
 from .verify import walk_greedy, walk_sampled
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     """Make wall-clock timings honest on asynchronous devices."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -97,12 +97,12 @@ class Decoding:
         cache = self.target.new_cache()
 
         # 1. Prefill: the prompt in one forward gives the first new token.
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         out = self.target.forward(self.prompt_ids, cache, 0, last_only=True)
         probs = probabilities(out.logits[-1], self.sampling)
         first = choose(out.logits[-1], probs, self.sampling, generator)
-        _sync(device)
+        sync_device(device)
         prefill_time = time.perf_counter() - t0
         if out.features is not None:
             self.drafter.observe(out.features)
@@ -128,10 +128,10 @@ class Decoding:
         room = self.budget - len(self.output)
 
         # 2. Propose: at most room - 1 draft tokens deep, so the target's own token still fits.
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         draft = self.drafter.propose(context, room - 1)
-        _sync(device)
+        sync_device(device)
         t1 = time.perf_counter()
         tree = draft.tree
 
@@ -148,7 +148,7 @@ class Decoding:
         keep_rows(cache, start, kept_rows)
         if out.features is not None:
             self.drafter.observe(out.features[kept_rows])
-        _sync(device)
+        sync_device(device)
         t2 = time.perf_counter()
 
         last_row = kept_rows[-1]

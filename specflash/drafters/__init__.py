@@ -46,6 +46,18 @@ METHODS: dict[str, MethodInfo] = {
             "dflash",
         ),
         MethodInfo(
+            "adaflash",
+            "AdaFlash: the DFlash draft cut where acceptance is unlikely, so the target verifies fewer tokens",
+            "a DFlash drafter (--drafter; presets ship one); cut rule -o rule=cost|fixed|heuristic|confidence|entropy",
+            "adaflash",
+        ),
+        MethodInfo(
+            "dels",
+            "DeLS-Spec: DFlash (long context) fused with a small local head (short context) inside each block",
+            "a DFlash drafter (--drafter) and a local head (-o local_head=PATH; presets ship both)",
+            "dels",
+        ),
+        MethodInfo(
             "ptd",
             "PTD: training-free progressive tree drafting by the target itself, with tree attention",
             "the target only",

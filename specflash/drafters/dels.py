@@ -1,0 +1,124 @@
+"""DeLS-Spec: the DFlash drafter as long-context expert, fused with a local (short-context) head.
+
+Within a block, DFlash's logits for every position come from one forward pass and stay fixed;
+the local head then walks the block left to right, and each drafted token is
+
+    x_k = argmax( l_long[k] + alpha * l_short(x_0..x_{k-1}) - beta * l_prior )
+
+where l_prior is the log unigram frequency of the local head's training tokens (both experts
+already carry that frequency prior; subtracting it once avoids counting it twice). alpha =
+beta = 0 is exactly `dflash`. The draft is still a chain of point-mass proposals, so the
+engine's verification keeps the method lossless at every temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import MethodConfigError
+from ..models.local_head import LocalHead, load_local_head
+from ..tree import DraftTree
+from .base import Draft
+from .dflash import DFlashConfig, DFlashEngineDrafter
+
+_TOP = 3  # alternatives kept in the trace per drafted token
+
+
+@dataclass(frozen=True)
+class DeLSConfig(DFlashConfig):
+    alpha: float = 0.3
+    beta: float = 0.3
+    local_head: str | None = None  # folder of the trained local head (default: the preset's)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise MethodConfigError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: float, beta: float) -> dict[str, Any]:
+    """Draft the block token by token: long_logits [k, V] are DFlash's, fixed; the local head
+    reads the root and each chosen token. Returns tokens, fused probabilities and the trace."""
+    k = long_logits.shape[0]
+    device = long_logits.device
+    prior = head.log_prior.to(device)
+    tokens, q, trace = [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
+    state, last = None, root
+    for i in range(k):
+        if alpha:
+            short, state = head(torch.tensor([[last]], device=device), state)
+            short = short[0, -1]  # [V]
+        else:
+            short = torch.zeros_like(long_logits[i])
+        fused = long_logits[i] + alpha * short - beta * prior  # [V]
+        token = int(fused.argmax())
+        tokens.append(token)
+        q.append(float(torch.softmax(fused, -1)[token]))
+        trace["long"].append(float(long_logits[i, token]))
+        trace["short"].append(float(alpha * short[token]))
+        trace["prior"].append(float(-beta * prior[token]))
+        trace["flipped"].append(token != int(long_logits[i].argmax()))
+        trace["alternatives"].append([
+            {"token": int(t), "long": float(long_logits[i, t]), "short": float(alpha * short[t]),
+             "prior": float(-beta * prior[t])}
+            for t in fused.topk(_TOP).indices.tolist()
+        ])
+        last = token
+    return {"tokens": tokens, "q": q, "trace": trace}
+
+
+class DeLSDrafter(DFlashEngineDrafter):
+    name = "dels"
+
+    def __init__(self, model, cfg: DeLSConfig, head: LocalHead) -> None:
+        super().__init__(model, cfg)
+        self.head = head.eval()
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], max_len: int) -> Draft:
+        k = min(self.draft_len, max_len)
+        if k <= 0:
+            return Draft.empty()
+        long_logits = self.block_logits(context, k)  # [k, V]
+        fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta)
+        return Draft(
+            DraftTree.chain(fused["tokens"]),
+            q=None,
+            q_token=fused["q"],
+            extras={"dflash": {"block_size": self.spec.block_size}, "dels": fused["trace"]},
+        )
+
+    def config_dict(self) -> dict[str, Any]:
+        return {**super().config_dict(), **asdict(self.cfg)}
+
+
+CONFIG = DeLSConfig
+
+
+def build(target, cfg: DeLSConfig, drafter: str | None, cache_dir: Path | None = None) -> DeLSDrafter:
+    from . import dflash
+
+    base = dflash.build(target, DFlashConfig(**{k: getattr(cfg, k) for k in DFlashConfig.__dataclass_fields__}),
+                        drafter, cache_dir)
+    location = cfg.local_head or _preset_head(target.name, cache_dir)
+    if not location:
+        raise MethodConfigError(
+            "method 'dels' needs a local head: pass -o local_head=PATH (train one with "
+            "python -m specflash.training.local_head)"
+        )
+    return DeLSDrafter(base.model, cfg, load_local_head(location, target))
+
+
+def _preset_head(model_name: str, cache_dir: Path | None) -> str | None:
+    from ..models.presets import PRESETS, resolve_drafter
+
+    if model_name not in PRESETS:
+        return None
+    path = resolve_drafter(model_name, "local_head", cache_dir)
+    return None if path is None else str(path)

@@ -1,0 +1,140 @@
+"""DeLS-Spec: local head IO and training pieces, the fusion rule, and lossless decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import LOSSLESS_ARCHS, hf_greedy
+from test_dflash import random_drafter
+from specflash.api import generate
+from specflash.config import SamplingConfig
+from specflash.drafters.dels import DeLSConfig, DeLSDrafter, fuse_block
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
+from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError
+from specflash.models.local_head import LocalHeadSpec, build_local_head, load_local_head, save_local_head
+from specflash.training.data import Sample
+from specflash.training.local_head import anchored_blocks, block_loss, unigram_log_prior
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick brown"]
+
+
+def random_head(target, seed=0, hidden=32, std=0.3):
+    head = build_local_head(LocalHeadSpec(target.vocab_size, target.hidden_size, hidden, 8), target)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+        head.log_prior.copy_(torch.log_softmax(torch.randn(target.vocab_size, generator=g), -1))
+    return head.eval()
+
+
+@pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
+def test_dels_greedy_equals_transformers(tiny_targets, arch):
+    target = tiny_targets[arch]
+    drafter = DeLSDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), DeLSConfig(alpha=0.7, beta=0.3),
+                          random_head(target))
+    for prompt in PROMPTS:
+        ids = target.tokenizer(prompt).input_ids
+        run = generate(target, ids, drafter=drafter, max_new_tokens=33, stop_on_eos=False)
+        assert run.output_ids == hf_greedy(target, ids, 33)
+        dels = run.steps[1].extras["dels"]
+        assert len(dels["long"]) == len(dels["flipped"]) == len(run.steps[1].tokens) == 7
+    assert any(any(s.extras["dels"]["flipped"]) for s in run.steps[1:] if s.tokens), "the short expert should change something"
+
+
+def test_zero_alpha_beta_is_exactly_dflash(tiny_targets):
+    target = tiny_targets["qwen3"]
+    model = random_drafter(target, block=8, feature_layers=(1,))
+    ids = target.tokenizer(PROMPTS[1]).input_ids
+    base = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig()), max_new_tokens=30)
+    dels = generate(target, ids, drafter=DeLSDrafter(model, DeLSConfig(alpha=0.0, beta=0.0), random_head(target)),
+                    max_new_tokens=30)
+    assert [s.tokens for s in dels.steps] == [s.tokens for s in base.steps]
+    assert not any(f for s in dels.steps[1:] if s.tokens for f in s.extras["dels"]["flipped"])
+
+
+def test_one_local_head_serves_two_dflash_drafters(tiny_targets):
+    target = tiny_targets["llama"]
+    head = random_head(target)
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    for drafter in (random_drafter(target, seed=1, block=4, feature_layers=(1,)),
+                    random_drafter(target, seed=2, layers=2, block=16, feature_layers=(0, 1, 1))):
+        run = generate(target, ids, drafter=DeLSDrafter(drafter, DeLSConfig(alpha=0.5), head), max_new_tokens=20,
+                       stop_on_eos=False)
+        assert run.output_ids == hf_greedy(target, ids, 20)
+
+
+def test_dels_sampling_is_reproducible(tiny_targets):
+    target = tiny_targets["qwen2"]
+    drafter = DeLSDrafter(random_drafter(target, block=4), DeLSConfig(), random_head(target))
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    cfg = SamplingConfig(temperature=0.9, top_p=0.95, seed=5)
+    a, b = (generate(target, ids, drafter=drafter, max_new_tokens=24, sampling=cfg).output_ids for _ in range(2))
+    assert a == b and all(0 <= t < target.vocab_size for t in a)
+
+
+def test_fusion_rule_on_hand_built_logits(tiny_targets):
+    """Contributions add up to the fused logit of the chosen token, and a strong short expert flips."""
+    target = tiny_targets["qwen3"]
+    head = random_head(target, std=1.0)
+    long = torch.randn(3, target.vocab_size, generator=torch.Generator().manual_seed(0))
+    out = fuse_block(long, head, root=5, alpha=50.0, beta=0.5)
+    trace = out["trace"]
+    state, last = None, 5
+    for i, token in enumerate(out["tokens"]):
+        short, state = head(torch.tensor([[last]]), state)
+        fused = long[i] + 50.0 * short[0, -1] - 0.5 * head.log_prior
+        assert token == int(fused.argmax())
+        total = trace["long"][i] + trace["short"][i] + trace["prior"][i]
+        assert abs(total - float(fused[token])) < 1e-3
+        assert trace["flipped"][i] == (token != int(long[i].argmax()))
+        last = token
+    assert any(trace["flipped"])
+
+
+def test_config_validation():
+    with pytest.raises(MethodConfigError):
+        DeLSConfig(alpha=-1)
+    with pytest.raises(MethodConfigError):
+        DeLSConfig(beta="x")
+
+
+def test_local_head_round_trip_and_errors(tiny_targets, tmp_path):
+    target = tiny_targets["qwen3"]
+    head = random_head(target)
+    save_local_head(head, tmp_path / "head", dtype=torch.float32)
+    again = load_local_head(tmp_path / "head", target)
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.allclose(head(ids)[0], again(ids)[0])
+    assert torch.equal(head.log_prior, again.log_prior)
+    with pytest.raises(DrafterMismatchError):
+        load_local_head(tmp_path / "head", tiny_targets["random-drafter"])  # other hidden size
+    (tmp_path / "head" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_local_head(tmp_path / "head", target)
+
+
+def test_training_pieces(tiny_targets):
+    target = tiny_targets["llama"]
+    samples = [Sample([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4, "code", "t", "a"), Sample([3, 3, 3, 3, 9], 1, "math", "t", "b")]
+    prior = unigram_log_prior(samples, 12)
+    counts = torch.ones(12)
+    for t in [5, 6, 7, 8, 9, 10, 3, 3, 3, 9]:
+        counts[t] += 1
+    assert torch.allclose(prior, (counts / counts.sum()).log())
+    blocks = anchored_blocks(samples, 4, per_sample=10, rng=random.Random(0))
+    for row in blocks.tolist():  # first token is context; the rest are response tokens
+        assert row in [[3, 4, 5, 6], [4, 5, 6, 7], [5, 6, 7, 8], [6, 7, 8, 9], [7, 8, 9, 10], [3, 3, 3, 3], [3, 3, 3, 9]]
+    head = random_head(target, std=0.05).train()
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    batch = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]] * 4)
+    first = block_loss(head, batch, gamma=4.0).item()
+    for _ in range(20):
+        loss = block_loss(head, batch, gamma=4.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first * 0.7
