@@ -26,7 +26,7 @@ from .ptd_tree import DraftForest, Flat
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Few tokens per forward: on a CPU the target's cost grows with every token fed.
-    "cpu": dict(max_depth=3, max_children=2, window=3, guess_budget=8, lookahead_budget=8),
+    "cpu": dict(max_depth=2, max_children=2, window=2, guess_budget=8, lookahead_budget=4),
     # The reference's tree shape (configs/tree_config.json), for machines where width is cheap.
     "paper": dict(max_depth=6, max_children=4, window=4, guess_budget=60, lookahead_budget=64),
 }
