@@ -18,12 +18,11 @@ import gradio as gr
 import torch
 
 import specflash
-from specflash.api import default_device
+from specflash.api import default_device, pack_run
 from specflash.cli import default_drafter
-from specflash.config import SamplingConfig, config_to_dict
+from specflash.config import SamplingConfig
 from specflash.engine import Decoding
 from specflash.errors import SpecFlashError
-from specflash.metrics import summarize
 from specflash.models.target import TargetModel
 from specflash.trace import RunRecord, StepRecord
 
@@ -50,25 +49,6 @@ def engine_errors() -> Iterator[None]:
 def devices() -> list[str]:
     """Devices a user may pick here: cpu, and cuda when present."""
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-
-
-def pack(decoding: Decoding, steps: list[StepRecord], method: str, finish_reason: str | None = None) -> RunRecord:
-    """The RunRecord of the steps so far (the same fields api.run_record fills at the end), so a
-    stopped run can still be inspected and exported."""
-    run = RunRecord(
-        method=method,
-        config=decoding.drafter.config_dict(),
-        sampling=config_to_dict(decoding.sampling),
-        model=decoding.target.name,
-        device=str(decoding.target.device),
-        prompt_ids=decoding.prompt_ids,
-        steps=list(steps),
-        output_ids=list(decoding.output),
-        finish_reason=finish_reason or decoding.finish_reason or "stopped",
-        prefill_time=steps[0].verify_time if steps else 0.0,
-    )
-    run.metrics = summarize(run)
-    return run
 
 
 class Runner:
@@ -112,8 +92,8 @@ class Runner:
         with engine_errors():
             for step in _steps(decoding):
                 steps.append(step)
-                yield step, pack(decoding, steps, method, finish_reason="running")
-        yield steps[-1], pack(decoding, steps, method)
+                yield step, pack_run(decoding, steps, method, finish_reason="running")
+        yield steps[-1], pack_run(decoding, steps, method)
 
     def generate(self, preset: str, device: str, prompt: str, method: str, sampling: SamplingConfig,
                  max_new_tokens: int, options: dict[str, Any]) -> RunRecord:

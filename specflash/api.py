@@ -18,7 +18,7 @@ from .engine import Decoding
 from .errors import EmptyPromptError
 from .metrics import summarize
 from .models.target import TargetModel
-from .trace import RunRecord
+from .trace import RunRecord, StepRecord
 
 
 def default_device() -> str:
@@ -89,9 +89,9 @@ def stream(
     return Decoding(target, built, ids, sampling, max_new_tokens, stop_on_eos)
 
 
-def run_record(decoding: Decoding, method: str) -> RunRecord:
-    """Drive a Decoding to the end and pack it into a RunRecord with its metrics."""
-    steps = list(decoding)
+def pack_run(decoding: Decoding, steps: list[StepRecord], method: str, finish_reason: str | None = None) -> RunRecord:
+    """The RunRecord of the steps so far, with its metrics; a run stopped early (the app's Stop
+    button) is packed the same way, with finish_reason "stopped"."""
     run = RunRecord(
         method=method,
         config=decoding.drafter.config_dict(),
@@ -99,13 +99,18 @@ def run_record(decoding: Decoding, method: str) -> RunRecord:
         model=decoding.target.name,
         device=str(decoding.target.device),
         prompt_ids=decoding.prompt_ids,
-        steps=steps,
+        steps=list(steps),
         output_ids=list(decoding.output),
-        finish_reason=decoding.finish_reason or "length",
-        prefill_time=steps[0].verify_time,
+        finish_reason=finish_reason or decoding.finish_reason or "stopped",
+        prefill_time=steps[0].verify_time if steps else 0.0,
     )
     run.metrics = summarize(run)
     return run
+
+
+def run_record(decoding: Decoding, method: str) -> RunRecord:
+    """Drive a Decoding to the end and pack it into a RunRecord."""
+    return pack_run(decoding, list(decoding), method)
 
 
 def generate(target: TargetModel, prompt: str | list[int], method: str = "ar", **kwargs: Any) -> RunRecord:

@@ -16,7 +16,7 @@ import torch
 
 from .config import SamplingConfig
 from .drafters.base import Drafter
-from .errors import ContextLengthError, EmptyPromptError
+from .errors import ContextLengthError, EmptyPromptError, TokenLimitError
 from .kv import keep_rows
 from .models.target import TargetModel
 from .sampling import choose, probabilities
@@ -40,6 +40,8 @@ def token_budget(prompt_len: int, max_new_tokens: int | None, context_length: in
         )
     if max_new_tokens is None:
         return context_length - prompt_len
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise TokenLimitError(f"max_new_tokens must be an integer >= 1 (or None for up to the context), got {max_new_tokens!r}")
     if prompt_len + max_new_tokens > context_length:
         raise ContextLengthError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "

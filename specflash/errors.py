@@ -17,6 +17,10 @@ class ContextLengthError(SpecFlashError):
     """Prompt plus the tokens asked for do not fit in the model's context window."""
 
 
+class TokenLimitError(SpecFlashError):
+    """A max_new_tokens that is not a positive integer."""
+
+
 class UnknownMethodError(SpecFlashError):
     """A decoding method name that is not registered."""
 

@@ -40,6 +40,20 @@ def test_prompt_beyond_context(tiny_targets):
         generate(target, [5] * target.context_length, max_new_tokens=1)
 
 
+@pytest.mark.parametrize("n", [0, -3])
+def test_bad_token_limit(tiny_targets, n):
+    from specflash.errors import TokenLimitError
+
+    with pytest.raises(TokenLimitError):
+        generate(tiny_targets["qwen3"], "hi", max_new_tokens=n)
+
+
+@pytest.mark.parametrize("method", ["dflash", "adaflash", "dels"])
+def test_dflash_family_needs_a_drafter_and_says_who(tiny_targets, method):
+    with pytest.raises(MethodConfigError, match=f"method '{method}' needs a DFlash drafter"):
+        build_drafter(method, tiny_targets["qwen3"], {}, None)
+
+
 def test_unknown_method(tiny_targets):
     with pytest.raises(UnknownMethodError, match="known methods: ar"):
         stream(tiny_targets["qwen3"], "hi", method="medusa")

@@ -28,7 +28,7 @@ from ..errors import MethodConfigError
 from ..tree import DraftTree
 from ..verify_cost import best_cut, cached_verify_cost
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter
+from .dflash import DFlashConfig, DFlashEngineDrafter, load_dflash_model
 
 RULES = ("cost", "fixed", "heuristic", "confidence", "entropy")
 
@@ -116,10 +116,9 @@ CONFIG = AdaFlashConfig
 
 def build(target, cfg: AdaFlashConfig, drafter: str | None, cache_dir: Path | None = None) -> AdaFlashDrafter:
     from ..models.acquire import default_cache_dir
-    from . import dflash
 
-    base = dflash.build(target, DFlashConfig(max_draft=cfg.max_draft), drafter, cache_dir)
+    model = load_dflash_model(target, drafter, "adaflash")
     cost = None
     if cfg.rule == "cost":
-        cost = cached_verify_cost(target, base.spec.block_size, cache_dir or default_cache_dir())
-    return AdaFlashDrafter(base.model, cfg, cost)
+        cost = cached_verify_cost(target, model.spec.block_size, cache_dir or default_cache_dir())
+    return AdaFlashDrafter(model, cfg, cost)

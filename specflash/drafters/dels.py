@@ -23,7 +23,7 @@ from ..errors import MethodConfigError
 from ..models.local_head import LocalHead, load_local_head
 from ..tree import DraftTree
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter
+from .dflash import DFlashConfig, DFlashEngineDrafter, load_dflash_model
 
 _TOP = 3  # alternatives kept in the trace per drafted token
 
@@ -102,17 +102,14 @@ CONFIG = DeLSConfig
 
 
 def build(target, cfg: DeLSConfig, drafter: str | None, cache_dir: Path | None = None) -> DeLSDrafter:
-    from . import dflash
-
-    base = dflash.build(target, DFlashConfig(**{k: getattr(cfg, k) for k in DFlashConfig.__dataclass_fields__}),
-                        drafter, cache_dir)
+    model = load_dflash_model(target, drafter, "dels")
     location = cfg.local_head or _preset_head(target.name, cache_dir)
     if not location:
         raise MethodConfigError(
             "method 'dels' needs a local head: pass -o local_head=PATH (train one with "
             "python -m specflash.training.local_head)"
         )
-    return DeLSDrafter(base.model, cfg, load_local_head(location, target))
+    return DeLSDrafter(model, cfg, load_local_head(location, target))
 
 
 def _preset_head(model_name: str, cache_dir: Path | None) -> str | None:

@@ -126,11 +126,16 @@ def _drafter_folder(drafter: str) -> Path:
 
 
 def build(target, cfg: DFlashConfig, drafter: str | None, cache_dir: Path | None = None) -> DFlashEngineDrafter:
+    return DFlashEngineDrafter(load_dflash_model(target, drafter, "dflash"), cfg)
+
+
+def load_dflash_model(target, drafter: str | None, method: str) -> DFlashDrafter:
+    """The DFlash drafter network for `target`; `method` names who asked, for the error."""
     from ..models.dflash_io import load_drafter
 
     if not drafter:
         raise MethodConfigError(
-            "method 'dflash' needs a drafter: pass --drafter PATH (a DFlash checkpoint for this target); "
-            "the smollm2-135m preset ships one"
+            f"method {method!r} needs a DFlash drafter: pass --drafter PATH (a DFlash checkpoint for this "
+            "target); the smollm2-135m preset ships one"
         )
-    return DFlashEngineDrafter(load_drafter(_drafter_folder(str(drafter)), target), cfg)
+    return load_drafter(_drafter_folder(str(drafter)), target)
