@@ -42,6 +42,7 @@ class DeLSConfig(DFlashConfig):
                 raise MethodConfigError(f"{name} must be a number >= 0, got {value!r}")
 
 
+@torch.inference_mode()
 def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: float, beta: float) -> dict[str, Any]:
     """Draft the block token by token: long_logits [k, V] are DFlash's, fixed; the local head
     reads the root and each chosen token. Returns tokens, fused probabilities and the trace."""
