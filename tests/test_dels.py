@@ -85,7 +85,8 @@ def test_fusion_rule_on_hand_built_logits(tiny_targets):
     trace = out["trace"]
     state, last = None, 5
     for i, token in enumerate(out["tokens"]):
-        short, state = head(torch.tensor([[last]]), state)
+        with torch.no_grad():
+            short, state = head(torch.tensor([[last]]), state)
         fused = long[i] + 50.0 * short[0, -1] - 0.5 * head.log_prior
         assert token == int(fused.argmax())
         total = trace["long"][i] + trace["short"][i] + trace["prior"][i]
