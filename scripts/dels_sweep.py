@@ -1,0 +1,70 @@
+"""DeLS-Spec alpha/beta sweep: mean acceptance length per domain and per block position.
+
+Greedy decoding, so every setting writes the same tokens; only acceptance changes, and it is
+deterministic (no timing), so one pass per setting suffices. alpha = beta = 0 is exactly dflash.
+
+    python scripts/dels_sweep.py --model smollm2-135m --alphas 0,0.3,0.6 --betas 0,0.3 --prompts-per-domain 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import specflash
+from specflash.metrics import per_position_acceptance
+from specflash.prompts import DOMAINS, heldout_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafter", default=None, help="DFlash drafter (default: the preset's)")
+    p.add_argument("--local-head", default=None, help="local head folder (default: the preset's)")
+    p.add_argument("--alphas", default="0,0.3,0.6,1.0")
+    p.add_argument("--betas", default="0,0.3")
+    p.add_argument("--prompts-per-domain", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, default=Path("bench-out/dels_sweep.json"))
+    args = p.parse_args()
+
+    from specflash.cli import default_drafter
+
+    target = specflash.load(args.model)
+    drafter = args.drafter or default_drafter(args.model, "dflash", None)
+    prompts = [q for d in DOMAINS for q in heldout_prompts(d)[: args.prompts_per_domain]]
+    rows = []
+    for alpha in [float(a) for a in args.alphas.split(",")]:
+        for beta in [float(b) for b in args.betas.split(",")]:
+            options = {"alpha": alpha, "beta": beta}
+            if args.local_head:
+                options["local_head"] = args.local_head
+            runs = [(q.domain, specflash.generate(target, q.text, "dels", max_new_tokens=args.max_new_tokens,
+                                                  drafter=drafter, options=options)) for q in prompts]
+            per_domain = {}
+            for d in DOMAINS:
+                steps = [s for dom, r in runs if dom == d for s in r.steps if s.phase == "decode"]
+                if steps:
+                    per_domain[d] = sum(len(s.committed) for s in steps) / len(steps)
+            steps = [s for _, r in runs for s in r.steps if s.phase == "decode"]
+            flipped = [f for s in steps if s.tokens for f in s.extras["dels"]["flipped"]]
+            rows.append({
+                "alpha": alpha, "beta": beta, "per_domain": per_domain,
+                "mean": sum(len(s.committed) for s in steps) / len(steps),
+                "per_position": per_position_acceptance(steps),
+                "flipped_rate": sum(flipped) / max(len(flipped), 1),
+            })
+            r = rows[-1]
+            cells = "  ".join(f"{d} {v:.2f}" for d, v in per_domain.items())
+            pos = " ".join(f"{x:.2f}" for x in r["per_position"][:8])
+            print(f"alpha {alpha:<4} beta {beta:<4} mean {r['mean']:.3f}  {cells}  flipped {r['flipped_rate']:.2f}  "
+                  f"per-position {pos}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "drafter": drafter, "rows": rows,
+                                    "max_new_tokens": args.max_new_tokens, "prompts": [q.id for q in prompts]}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
