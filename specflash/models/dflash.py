@@ -271,10 +271,6 @@ def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, m
     return ids.reshape(b, n * block_size), positions
 
 
-def param_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     """exp(-(k-1)/gamma) for slots k = 1..L-1 ([L-1]); slot 0 carries no loss."""
     k = torch.arange(1, block_size, dtype=torch.float32)

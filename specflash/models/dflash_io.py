@@ -11,7 +11,6 @@ drafter against the target before any weight is used, so a mismatch fails with a
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -169,10 +168,6 @@ def new_drafter(spec: DFlashSpec, target) -> DFlashDrafter:
     for p in (*embed.parameters(), *head.parameters()):
         p.requires_grad_(False)
     return DFlashDrafter(spec, embed, head).to(target.device, target.dtype)
-
-
-def spec_dict(spec: DFlashSpec) -> dict[str, Any]:
-    return asdict(spec)
 
 
 # Named special tokens that chat models never emit, tried in order when a tokenizer has no mask
