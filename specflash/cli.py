@@ -81,11 +81,13 @@ def _dtype(name: str | None):
 
 def default_drafter(model: str, method: str, cache_dir: Path | None) -> str | None:
     """The preset's drafter for this method, if the model is a preset that has one."""
+    from .drafters import METHODS
     from .models.presets import PRESETS, resolve_drafter
 
-    if model not in PRESETS:
+    role = METHODS[method].drafter_role if method in METHODS else None
+    if model not in PRESETS or role is None:
         return None
-    path = resolve_drafter(model, method, cache_dir)
+    path = resolve_drafter(model, role, cache_dir)
     return None if path is None else str(path)
 
 

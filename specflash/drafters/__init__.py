@@ -23,6 +23,7 @@ class MethodInfo:
     summary: str
     needs: str
     module: str
+    drafter_role: str | None = None  # which of a preset's drafters the method loads
 
     def load(self):
         return importlib.import_module(f"{__name__}.{self.module}")
@@ -37,6 +38,7 @@ METHODS: dict[str, MethodInfo] = {
             "classic speculative decoding with a small draft LM",
             "a draft model sharing the target's tokenizer (--drafter)",
             "draft_model",
+            "draft",
         ),
         MethodInfo("pld", "prompt lookup: n-gram drafts copied from the text so far", "the target only", "prompt_lookup"),
         MethodInfo(
@@ -44,18 +46,21 @@ METHODS: dict[str, MethodInfo] = {
             "DFlash: a block-diffusion drafter drafts a whole block in one pass from the target's hidden states",
             "a DFlash drafter checkpoint for the target (--drafter; presets ship one)",
             "dflash",
+            "dflash",
         ),
         MethodInfo(
             "adaflash",
             "AdaFlash: the DFlash draft cut where acceptance is unlikely, so the target verifies fewer tokens",
             "a DFlash drafter (--drafter; presets ship one); cut rule -o rule=cost|fixed|heuristic|confidence|entropy",
             "adaflash",
+            "dflash",
         ),
         MethodInfo(
             "dels",
             "DeLS-Spec: DFlash (long context) fused with a small local head (short context) inside each block",
             "a DFlash drafter (--drafter) and a local head (-o local_head=PATH; presets ship both)",
             "dels",
+            "dflash",
         ),
         MethodInfo(
             "ptd",
