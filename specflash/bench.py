@@ -34,7 +34,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--drafter", default=None, help="draft model for draft / hf-assisted (default: the preset's)")
+    p.add_argument("--drafter", default=None, help="drafter for every method that takes one: draft, hf-assisted, dflash, adaflash, dels (default: the preset's)")
     p.add_argument("-o", "--option", action="append", default=[], metavar="METHOD.KEY=VALUE")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench.json"))
 
