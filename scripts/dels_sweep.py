@@ -3,7 +3,7 @@
 Greedy decoding, so every setting writes the same tokens; only acceptance changes, and it is
 deterministic (no timing), so one pass per setting suffices. alpha = beta = 0 is exactly dflash.
 
-    python scripts/dels_sweep.py --model smollm2-135m --alphas 0,0.3,0.6 --betas 0,0.3 --prompts-per-domain 2
+    source scripts/env.sh && python scripts/dels_sweep.py --model smollm2-135m --alphas 0,0.3,0.6 --betas 0,0.3 --prompts-per-domain 2
 """
 
 from __future__ import annotations
