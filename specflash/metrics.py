@@ -9,7 +9,6 @@ Only decode steps count; the prefill forward is timed on its own.
 from __future__ import annotations
 
 from collections import Counter
-from statistics import median
 from typing import Any, Iterable
 
 from .trace import RunRecord, StepRecord
@@ -66,8 +65,3 @@ def summarize(run: RunRecord) -> dict[str, Any]:
         "draft_time": draft_time,
         "verify_time": verify_time,
     }
-
-
-def median_of(values: Iterable[float]) -> float:
-    values = list(values)
-    return median(values) if values else 0.0
