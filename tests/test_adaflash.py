@@ -3,15 +3,21 @@ trades verified tokens for committed ones as the cost curve dictates."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import LOSSLESS_ARCHS, hf_greedy
 from test_dflash import random_drafter
 from specflash.api import generate
-from specflash.drafters.adaflash import RULES, AdaFlashConfig, AdaFlashDrafter, cut_length
+from specflash.drafters.adaflash import RULES, AdaFlashConfig, AdaFlashDrafter, annotate_cuts, build, cut_length
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
-from specflash.errors import MethodConfigError
+from specflash.errors import CheckpointError, MethodConfigError
+from specflash.models.dflash_io import load_drafter, save_drafter
+from specflash.trace import RunRecord, StepRecord
+from specflash.models.length_head import LengthHead, length_labels, load_length_head, save_length_head, verify_len
 from specflash.verify_cost import best_cut, monotone
 
 STEEP = [1.0 + 0.5 * i for i in range(16)]  # each extra verified token costs half a forward
@@ -23,7 +29,8 @@ FLAT = [1.0] * 16
 def test_every_rule_is_lossless(tiny_targets, arch, rule):
     target = tiny_targets[arch]
     cfg = AdaFlashConfig(rule=rule, threshold=0.3 if rule == "confidence" else 2.0, fixed_len=2)
-    drafter = AdaFlashDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), cfg, STEEP[:8])
+    model = random_drafter(target, block=8, feature_layers=(0, 1))
+    drafter = AdaFlashDrafter(model, cfg, STEEP[:8], random_head(target.hidden_size, seed=1))
     ids = target.tokenizer("The quick brown fox jumps over the lazy dog. The quick brown").input_ids
     run = generate(target, ids, drafter=drafter, max_new_tokens=30, stop_on_eos=False)
     assert run.output_ids == hf_greedy(target, ids, 30)
@@ -32,6 +39,14 @@ def test_every_rule_is_lossless(tiny_targets, arch, rule):
             ada = step.extras["adaflash"]
             assert ada["verify_len"] == len(step.tokens) + 1 and ada["rule"] == rule
             assert len(step.tokens) + len(ada["cut_tokens"]) == min(7, 30 - len(sum((s.committed for s in run.steps[:step.step]), [])) - 1)
+
+
+def random_head(hidden_size: int, seed: int = 0, bias: float = 0.0) -> LengthHead:
+    torch.manual_seed(seed)
+    head = LengthHead(hidden_size, bottleneck=16)
+    with torch.no_grad():
+        head.out.bias.fill_(bias)
+    return head.eval()
 
 
 def test_cut_rules_on_hand_built_drafts():
@@ -80,3 +95,78 @@ def test_bad_config():
         AdaFlashConfig(rule="magic")
     with pytest.raises(MethodConfigError):
         AdaFlashConfig(rate=0)
+
+
+def test_verify_len_follows_adaflash_rule():
+    assert verify_len(0.5, 16, 1.0, 2) == 8
+    assert verify_len(0.5, 16, 1.3, 2) == 10  # round(10.4)
+    assert verify_len(0.01, 16, 1.0, 2) == 2  # never below min_len
+    assert verify_len(0.99, 16, 1.3, 2) == 16  # never above the block
+    assert verify_len(0.0, 8, 1.0, 0) == 1  # the target's own token is always verified
+    assert length_labels(torch.tensor([0, 3, 7]), 8).tolist() == [0.125, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("bias,expected", [(-20.0, 0), (20.0, 7)])
+def test_head_rule_cuts_where_the_head_says(tiny_targets, bias, expected):
+    target = tiny_targets["qwen3"]
+    drafter = AdaFlashDrafter(random_drafter(target, block=8, feature_layers=(1,)), AdaFlashConfig(rule="head", min_len=1),
+                              head=random_head(target.hidden_size, bias=bias))
+    ids = target.tokenizer("def add(a, b):").input_ids
+    run = generate(target, ids, drafter=drafter, max_new_tokens=12, stop_on_eos=False)
+    assert run.output_ids == hf_greedy(target, ids, 12)
+    first = run.steps[1]
+    assert len(first.tokens) == expected and first.extras["adaflash"]["verify_len"] == expected + 1
+    assert 0.0 <= first.extras["adaflash"]["score"] <= 1.0
+
+
+def test_length_head_checkpoint_round_trip(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    model = random_drafter(target, block=8, feature_layers=(1,))
+    save_drafter(model, tmp_path, dtype=torch.float32)
+    assert load_length_head(tmp_path, target.hidden_size) is None  # a plain DFlash folder has no head
+    with pytest.raises(CheckpointError, match="length head"):
+        build(target, AdaFlashConfig(rule="head"), str(tmp_path))
+    head = random_head(target.hidden_size, seed=3)
+    save_length_head(head, tmp_path, dtype=torch.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dflash_config"]["use_thresh_head_two_model"] is True
+    assert "thresh_head_two_model.res.0.weight" in load_file(str(tmp_path / "model.safetensors"))
+    loaded = load_length_head(tmp_path, target.hidden_size)
+    hidden = torch.randn(2, 8, target.hidden_size)
+    assert torch.allclose(loaded(hidden), head(hidden))
+    load_drafter(tmp_path, target)  # the plain DFlash loader still accepts the folder
+    with pytest.raises(CheckpointError, match="hidden size"):
+        load_length_head(tmp_path, target.hidden_size * 2)
+
+
+def _step(index, drafted, accepted, committed, cut):
+    return StepRecord(step=index, phase="decode", context_len=10 + index, tokens=drafted, parents=list(range(-1, len(drafted) - 1)),
+                      q=None, p=[1.0] * len(drafted), accepted=list(range(accepted)), correction=committed[-1],
+                      correction_kind="bonus", correction_p=1.0, committed=committed, verified=len(drafted) + 1,
+                      draft_time=0.0, verify_time=0.0, extras={"adaflash": {"cut_tokens": cut}})
+
+
+def test_annotate_cuts_on_hand_built_runs():
+    prefill = StepRecord(step=0, phase="prefill", context_len=3, tokens=[], parents=[], q=None, p=[], accepted=[],
+                         correction=5, correction_kind="target", correction_p=1.0, committed=[5], verified=3,
+                         draft_time=0.0, verify_time=0.0)
+    steps = [
+        prefill,
+        _step(1, [6], 1, [6, 7], [8, 9, 4]),  # all verified kept; cut 8, 9 match the output, 4 does not
+        _step(2, [1, 2], 1, [8, 9], [3]),  # the chain broke inside the verified part
+        _step(3, [], 0, [10], [10]),  # nothing verified; the cut token is the target's own next token
+        _step(4, [11], 1, [11, 12], [12, 13]),  # runs past the end of the output: cannot tell
+    ]
+    run = RunRecord(method="adaflash", config={}, sampling={"temperature": 0.0}, model="m", device="cpu",
+                    prompt_ids=[1, 2, 3], steps=steps, output_ids=[5, 6, 7, 8, 9, 10, 11, 12], finish_reason="length",
+                    prefill_time=0.0)
+    would = [s.extras["adaflash"]["cut_would_accept"] for s in annotate_cuts(run).steps[1:]]
+    assert would == [0, 0, 1, None]  # step 1: the cut 8 stands where the output has 7
+    run.output_ids = [5, 6, 8, 9, 4, 8, 9, 10, 11, 12]
+    for s in steps[1:]:
+        s.committed = {1: [6, 8], 2: [9, 4], 3: [8], 4: [9, 10]}[s.step]
+    steps[1].extras["adaflash"]["cut_tokens"] = [8, 9, 7]
+    would = [s.extras["adaflash"]["cut_would_accept"] for s in annotate_cuts(run).steps[1:]]
+    assert would[0] == 2  # 8 (the target's own token) and 9 follow 6 in the output, 7 does not
+    run.sampling = {"temperature": 0.7}
+    assert all(s.extras["adaflash"]["cut_would_accept"] is None for s in annotate_cuts(run).steps[1:])

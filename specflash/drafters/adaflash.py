@@ -13,7 +13,12 @@ selectable by name:
 - `cost` (default): the cost-aware cut: with the device's measured verify-cost curve c(l), keep
   the m drafts that maximise expected committed tokens per unit of verify cost, reading the
   per-position draft probabilities as acceptance estimates; `rate` scales the estimates.
-- `head`: AdaFlash's length head (needs a trained head; not shipped yet).
+- `head`: AdaFlash's learned length head reads the drafter's block hidden states and predicts
+  r = verify length / L; the target verifies clamp(round(r * L * rate), min_len, L) positions
+  (methods.md §2.2). The head ships inside the drafter folder (models/length_head.py).
+
+Whether the cut tokens would have been accepted is never computed on the timed path: at
+temperature 0 it follows from the finished run alone (`annotate_cuts`).
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ from typing import Any
 
 import torch
 
-from ..errors import MethodConfigError
+from ..errors import CheckpointError, MethodConfigError
+from ..models.length_head import LengthHead, load_length_head, verify_len
+from ..trace import RunRecord, StepRecord
 from ..tree import DraftTree
 from ..verify_cost import best_cut, cached_verify_cost
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter, load_dflash_model
+from .dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder, load_dflash_model
 
-RULES = ("cost", "fixed", "heuristic", "confidence", "entropy")
+RULES = ("cost", "fixed", "heuristic", "confidence", "entropy", "head")
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,18 @@ class AdaFlashConfig(DFlashConfig):
             raise MethodConfigError(f"threshold must be >= 0, got {self.threshold!r}")
 
 
-def cut_length(rule: str, probs: torch.Tensor, cfg: AdaFlashConfig, cost: list[float] | None, window: int) -> int:
-    """How many of the drafted tokens (rows of probs [k, V]) to verify, before clamping."""
+def cut_length(
+    rule: str, probs: torch.Tensor, cfg: AdaFlashConfig, cost: list[float] | None, window: int,
+    score: float | None = None, block_size: int | None = None,
+) -> int:
+    """How many of the drafted tokens (rows of probs [k, V]) to verify, before clamping. The
+    `head` rule needs the length head's `score` r and the drafter's `block_size` L."""
     k = probs.shape[0]
     conf = probs.max(dim=-1).values.tolist()
+    if rule == "head":
+        if score is None or block_size is None:
+            raise MethodConfigError("the head rule needs the length head's score and the block size")
+        return verify_len(score, block_size, cfg.rate, cfg.min_len) - 1
     if rule == "fixed":
         return cfg.fixed_len
     if rule == "heuristic":
@@ -74,9 +89,14 @@ def cut_length(rule: str, probs: torch.Tensor, cfg: AdaFlashConfig, cost: list[f
 class AdaFlashDrafter(DFlashEngineDrafter):
     name = "adaflash"
 
-    def __init__(self, model, cfg: AdaFlashConfig, cost: list[float] | None = None) -> None:
+    def __init__(self, model, cfg: AdaFlashConfig, cost: list[float] | None = None,
+                 head: LengthHead | None = None) -> None:
         super().__init__(model, cfg)
+        if cfg.rule == "head" and head is None:
+            raise CheckpointError("rule 'head' needs a drafter folder with a trained length head "
+                                  "(python -m specflash.training.length_head); this drafter has none")
         self.cost = cost
+        self.head = None if head is None else head.to(self.device).eval()
         self.window = cfg.fixed_len
 
     def begin(self, prompt_ids, sampling, generator) -> None:
@@ -88,17 +108,21 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         k = min(self.draft_len, max_len)
         if k <= 0:
             return Draft.empty()
-        probs = torch.softmax(self.block_logits(context, k).float(), dim=-1)  # [k, V], the full block
+        hidden = self.block_hidden(context)  # [L, H]
+        probs = torch.softmax(self.model.logits(hidden[1 : k + 1]).float(), dim=-1)  # [k, V], the full block
         best = probs.max(dim=-1)
         tokens = best.indices.tolist()
-        keep = max(min(cut_length(self.cfg.rule, probs, self.cfg, self.cost, self.window), k), min(self.cfg.min_len, k))
+        score = float(self.head(hidden[None])[0]) if self.head is not None else None
+        L = self.spec.block_size
+        cut = cut_length(self.cfg.rule, probs, self.cfg, self.cost, self.window, score, L)
+        keep = max(min(cut, k), 0 if self.cfg.rule == "head" else min(self.cfg.min_len, k))
         return Draft(
             DraftTree.chain(tokens[:keep]),
             q=None,
             q_token=best.values.tolist()[:keep],
             extras={
                 "dflash": {"block_size": self.spec.block_size},
-                "adaflash": {"rule": self.cfg.rule, "score": None, "verify_len": keep + 1, "cut_tokens": tokens[keep:],
+                "adaflash": {"rule": self.cfg.rule, "score": score, "verify_len": keep + 1, "cut_tokens": tokens[keep:],
                              "cut_q": best.values.tolist()[keep:]},
             },
         )
@@ -118,7 +142,43 @@ def build(target, cfg: AdaFlashConfig, drafter: str | None, cache_dir: Path | No
     from ..models.acquire import default_cache_dir
 
     model = load_dflash_model(target, drafter, "adaflash")
+    head = load_length_head(drafter_folder(str(drafter)), model.spec.hidden_size)
     cost = None
     if cfg.rule == "cost":
         cost = cached_verify_cost(target, model.spec.block_size, cache_dir or default_cache_dir())
-    return AdaFlashDrafter(model, cfg, cost)
+    return AdaFlashDrafter(model, cfg, cost, head)
+
+
+def annotate_cuts(run: RunRecord) -> RunRecord:
+    """Analysis mode, after the fact: how many of each step's cut tokens greedy verification would
+    have accepted, as extras["adaflash"]["cut_would_accept"] (in place; returns the run).
+
+    At temperature 0 the output is the target's greedy continuation, so a cut token would have
+    been accepted exactly when every verified draft was accepted and it matches the output at its
+    position: no extra target forward, nothing on the timed path. None where that cannot be told
+    (temperature > 0, or the run ended before the cut tokens' positions).
+    """
+    greedy = float(run.sampling.get("temperature", 0.0)) == 0.0
+    position = 0
+    for step in run.steps:
+        ada = step.extras.get("adaflash")
+        if ada is not None:
+            ada["cut_would_accept"] = _would_accept(step, ada["cut_tokens"], run.output_ids, position) if greedy else None
+        position += len(step.committed)
+    return run
+
+
+def _would_accept(step: StepRecord, cut: list[int], output: list[int], start: int) -> int | None:
+    if not cut:
+        return 0
+    if len(step.accepted) < len(step.tokens):
+        return 0  # the chain broke inside the verified part: nothing after it could count
+    after = start + len(step.tokens)  # where the first cut token would have stood
+    if after >= len(output):
+        return None
+    matched = 0
+    for token, actual in zip(cut, output[after:]):
+        if token != actual:
+            return matched
+        matched += 1
+    return matched if matched == len(cut) or after + matched < len(output) else None

@@ -76,8 +76,12 @@ class DFlashEngineDrafter(Drafter):
         )
 
     def block_logits(self, context: list[int], k: int) -> torch.Tensor:
-        """DFlash's logits [k, V] for the k positions after the context, from one forward pass;
-        also moves the features observed since the last call into the drafter cache."""
+        """DFlash's logits [k, V] for the k positions after the context, from one forward pass."""
+        return self.model.logits(self.block_hidden(context)[1 : k + 1])
+
+    def block_hidden(self, context: list[int]) -> torch.Tensor:
+        """The drafter's final-normed hidden states [L, H] of the block after the context, from
+        one forward pass; also moves the features observed since the last call into its cache."""
         # 1. New context: the features of positions committed since the last step.
         start = len(self.cache)
         features = torch.cat(self.pending) if self.pending else self._no_features()  # [C, n_feat*H]
@@ -93,8 +97,7 @@ class DFlashEngineDrafter(Drafter):
         block[0, 0] = context[-1]
         block_pos = torch.arange(root, root + L, device=self.device)[None]
         ctx_pos = torch.arange(start, root, device=self.device)[None]
-        hidden = self.model(block, block_pos, features[None], ctx_pos, None, self.cache)  # [1, L, H]
-        return self.model.logits(hidden[0, 1 : k + 1])
+        return self.model(block, block_pos, features[None], ctx_pos, None, self.cache)[0]  # [L, H]
 
     def _no_features(self) -> torch.Tensor:
         width = self.model.fc.in_features
@@ -108,7 +111,7 @@ class DFlashEngineDrafter(Drafter):
 CONFIG = DFlashConfig
 
 
-def _drafter_folder(drafter: str) -> Path:
+def drafter_folder(drafter: str) -> Path:
     """A local folder, or a hub id found in the local Hugging Face cache (no download)."""
     path = Path(drafter)
     if path.is_dir():
@@ -138,4 +141,4 @@ def load_dflash_model(target, drafter: str | None, method: str) -> DFlashDrafter
             f"method {method!r} needs a DFlash drafter: pass --drafter PATH (a DFlash checkpoint for this "
             "target); the smollm2-135m preset ships one"
         )
-    return load_drafter(_drafter_folder(str(drafter)), target)
+    return load_drafter(drafter_folder(str(drafter)), target)

@@ -61,6 +61,26 @@ class StepStats:
     accepted: int  # sum over blocks of the leading run of correct slots (greedy acceptance)
 
 
+def block_forward(model: DFlashDrafter, seq: Sequence, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """The drafter's final-normed hidden states [N, L, H] of every anchored block of one sequence
+    (features [S, n_feat*H] of every position, anchors [N]), as at inference: block n sees the
+    context before a_n and its own L slots."""
+    spec, device = model.spec, features.device
+    L, n = spec.block_size, len(anchors)
+    anchors = anchors.to(device)
+    ids, pos = block_inputs(seq.tokens.to(device)[None], anchors[None], L, spec.mask_token_id)  # [1, N*L]
+    mask = training_block_mask(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device), len(features), L)
+    ctx_pos = torch.arange(len(features), device=device)[None]
+    return model(ids, pos, features[None], ctx_pos, mask).view(n, L, -1)
+
+
+def leading_correct(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per block, the run of leading slots whose argmax is the label ([N, L-1] -> [N]): the number
+    of drafts greedy verification would accept."""
+    correct = (logits.argmax(-1) == labels) & valid
+    return correct.long().cumprod(dim=1).sum(dim=1)
+
+
 def sequence_loss(
     model: DFlashDrafter,
     seq: Sequence,
@@ -71,21 +91,16 @@ def sequence_loss(
 ) -> StepStats:
     """Weighted CE (summed, not yet normalised) of all anchored blocks of one sequence. With
     `vocab`, the softmax covers those ids plus this sequence's labels (a restricted head)."""
-    spec, device = model.spec, features.device
-    L, n = spec.block_size, len(anchors)
-    anchors = anchors.to(device)
-    ids, pos = block_inputs(seq.tokens.to(device)[None], anchors[None], L, spec.mask_token_id)  # [1, N*L]
-    mask = training_block_mask(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device), len(features), L)
-    ctx_pos = torch.arange(len(features), device=device)[None]
-    hidden = model(ids, pos, features[None], ctx_pos, mask)  # [1, N*L, H]
-    labels, valid = block_labels(seq.next_ids.to(device), anchors, L)
+    device, L, n = features.device, model.spec.block_size, len(anchors)
+    hidden = block_forward(model, seq, features, anchors)  # [N, L, H]
+    labels, valid = block_labels(seq.next_ids.to(device), anchors.to(device), L)
     if vocab is not None:
         vocab = torch.unique(torch.cat([vocab.to(device), labels.flatten()]))  # sorted [K']
         labels = torch.searchsorted(vocab, labels)
-    logits = model.logits(hidden.view(n, L, -1)[:, 1:], vocab).float()  # [N, L-1, V or K']
+    logits = model.logits(hidden[:, 1:], vocab).float()  # [N, L-1, V or K']
     w = weights.to(device)[None] * valid  # [N, L-1]
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(n, L - 1)
     with torch.no_grad():
-        correct = (logits.argmax(-1) == labels) & valid
-        leading = correct.long().cumprod(dim=1).sum(dim=1)
-    return StepStats((ce * w).sum(), float(w.sum()), int(correct[:, 0].sum()), n, int(leading.sum()))
+        slot1 = int(((logits[:, 0].argmax(-1) == labels[:, 0]) & valid[:, 0]).sum())
+        leading = leading_correct(logits, labels, valid)
+    return StepStats((ce * w).sum(), float(w.sum()), slot1, n, int(leading.sum()))
