@@ -103,6 +103,15 @@ class TargetModel:
         still apply the window): sliding cache layers cannot be rolled back once full."""
         return DynamicCache()
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits [..., V] from outputs of its last decoder layer [..., H]: its final
+        norm, then its LM head. Distillation caches those outputs instead of full-vocab logits."""
+        norm = getattr(self.model.get_decoder(), "norm", None)
+        if norm is None:
+            raise ValueError(f"cannot find the final norm of {type(self.model).__name__} (decoder.norm)")
+        head = self.model.get_output_embeddings()
+        return head(norm(hidden.to(head.weight.dtype)))
+
     def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
         """Hook the given decoder layers (0-based) so forward() returns their outputs."""
         if tuple(layer_ids) == self._hooked:

@@ -1,0 +1,100 @@
+"""Acceptance per domain on the held-out prompts: the yardstick for drafters before and after training.
+
+Each drafter decodes the same held-out prompts of every domain (batched, temperature 0, so every
+output is the target's and only acceptance differs). Mean acceptance length per domain pools a
+domain's rows (committed tokens over decode steps); the spread across domains is their standard
+deviation and range, the figure AdaFlash says on-policy distillation lowers.
+
+    python -m specflash.training.evaluate --model smollm2-135m --drafters A,B,C --labels before,sft,opd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import SpecFlashError
+from ..metrics import decode_steps
+from ..prompts import DOMAINS, heldout_prompts
+
+
+def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_domain: int = 4,
+                         max_new_tokens: int = 64, method: str = "dflash") -> dict[str, Any]:
+    """{"domains": {domain: mean acceptance length}, "mean", "std", "range", "outputs": ids per prompt}."""
+    from ..api import encode_prompt, generate_batch
+
+    by_domain, outputs = {}, {}
+    for domain in domains:
+        prompts = heldout_prompts(domain)[:per_domain]
+        result = generate_batch(target, [encode_prompt(target, p.text) for p in prompts], method=method,
+                                max_new_tokens=max_new_tokens, drafter=drafter)
+        steps = [s for run in result.runs for s in decode_steps(run)]
+        by_domain[domain] = sum(len(s.committed) for s in steps) / max(1, len(steps))
+        outputs.update({p.id: run.output_ids for p, run in zip(prompts, result.runs)})
+    values = list(by_domain.values())
+    return {"domains": by_domain, "mean": statistics.fmean(values),
+            "std": statistics.pstdev(values), "range": max(values) - min(values), "outputs": outputs}
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown: one row per drafter, a column per domain, then mean, std and range."""
+    domains = list(next(iter(results.values()))["domains"])
+    lines = ["| drafter | " + " | ".join(domains) + " | mean | std across domains | range |",
+             "|---" * (len(domains) + 4) + "|"]
+    for label, r in results.items():
+        cells = [f"{r['domains'][d]:.3f}" for d in domains] + [f"{r['mean']:.3f}", f"{r['std']:.3f}", f"{r['range']:.3f}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specflash.training.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafters", required=True, type=lambda s: [x for x in s.split(",") if x], help="comma list of folders")
+    p.add_argument("--labels", default=None, type=lambda s: [x for x in s.split(",") if x], help="names for the table")
+    p.add_argument("--domains", default=",".join(DOMAINS), type=lambda s: [x for x in s.split(",") if x])
+    p.add_argument("--per-domain", type=int, default=4, help="held-out prompts per domain")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    args.labels = args.labels or args.drafters
+    if len(args.labels) != len(args.drafters):
+        p.error("--labels needs one name per drafter")
+    return args
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    from ..api import load
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        target = load(args.model, device=args.device, dtype=torch.float32)
+        results = {label: acceptance_by_domain(target, drafter, args.domains, args.per_domain, args.max_new_tokens)
+                   for label, drafter in zip(args.labels, args.drafters)}
+    except SpecFlashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    outputs = [r.pop("outputs") for r in results.values()]
+    identical = all(o == outputs[0] for o in outputs)
+    print(format_table(results))
+    print(f"\noutputs identical across drafters: {identical}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                                        "outputs_identical": identical}, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""Train AdaFlash's length head on a frozen DFlash drafter (methods.md §2.3, "offline head init").
+
+For anchored blocks of the target's own responses, the frozen drafter drafts as it would at
+inference; the label is r* = (accepted + 1) / L, the verify length that would have sufficed
+(greedy acceptance against the target's tokens), and the head regresses it with MSE on the
+detached block hidden states. The drafter never changes, so its hidden states are computed once
+and the head then trains for many cheap epochs. A tenth of the sequences is held out to report
+how well the head predicts (MSE, and the mean |verify length error| in tokens). The head is
+written into a copy of the drafter folder (AdaFlash's tensor names), ready for `-o rule=head`.
+
+    python -m specflash.training.length_head --model smollm2-135m --drafter DIR --data DIR[,DIR...]
+        --export OUT_DIR [--anchors 64] [--epochs 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..errors import SpecFlashError
+from ..models.dflash import DFlashDrafter
+from ..models.length_head import LengthHead, length_labels, save_length_head, verify_len
+from ..models.target import TargetModel
+from .data import read_shard
+from .dflash import shard_paths
+from .dflash_features import shard_features
+from .dflash_objective import block_forward, block_labels, leading_correct, make_sequence, sample_anchors
+
+
+@dataclass
+class Blocks:
+    hidden: torch.Tensor  # [N, L, H] float16, the frozen drafter's block states
+    accepted: torch.Tensor  # [N] greedy acceptance of each block's drafts
+
+
+@torch.inference_mode()
+def collect_blocks(target: TargetModel, model: DFlashDrafter, shards: list[Path], anchors: int, seed: int,
+                   feature_cache: Path | None) -> list[Blocks]:
+    """One Blocks per sequence, in shard order."""
+    g = torch.Generator().manual_seed(seed)
+    L, out = model.spec.block_size, []
+    for shard in tqdm(shards, desc="drafting blocks", unit="shard"):
+        samples = read_shard(shard)
+        feats = shard_features(target, samples, shard, model.spec.target_layer_ids, feature_cache)
+        for sample, f in zip(samples, feats):
+            seq = make_sequence(sample.token_ids, sample.prompt_len, sample.labels)
+            picks = sample_anchors(seq, anchors, g)
+            if len(picks) == 0:
+                continue
+            hidden = block_forward(model, seq, f.to(target.device, torch.float32), picks)  # [N, L, H]
+            labels, valid = block_labels(seq.next_ids.to(target.device), picks.to(target.device), L)
+            accepted = leading_correct(model.logits(hidden[:, 1:]).float(), labels, valid)
+            out.append(Blocks(hidden.to("cpu", torch.float16), accepted.cpu()))
+    return out
+
+
+def fit(head: LengthHead, train: Blocks, epochs: int, lr: float, batch: int, seed: int, block_size: int) -> list[float]:
+    """MSE training of the head; returns the mean loss of each epoch."""
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    target = length_labels(train.accepted, block_size)
+    losses = []
+    for _ in tqdm(range(epochs), desc="length head", unit="epoch"):
+        order, total = torch.randperm(len(target), generator=g), 0.0
+        for i in range(0, len(order), batch):
+            idx = order[i : i + batch]
+            loss = F.mse_loss(head(train.hidden[idx].float()), target[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+        losses.append(total / len(target))
+    return losses
+
+
+@torch.inference_mode()
+def score(head: LengthHead, blocks: Blocks, block_size: int, rate: float = 1.0, min_len: int = 1) -> dict[str, float]:
+    """How well the head predicts: MSE on r, mean |verify_len - (accepted + 1)| in tokens, the
+    share of blocks it cuts short of their accepted run (lost acceptance), and the verify length
+    it asks for against the full block."""
+    r = head(blocks.hidden.float())
+    want = blocks.accepted + 1
+    lengths = torch.tensor([verify_len(float(x), block_size, rate, min_len) for x in r])
+    return {
+        "mse": float(F.mse_loss(r, length_labels(blocks.accepted, block_size))),
+        "mean_abs_len_error": float((lengths - want).abs().float().mean()),
+        "cut_short": float((lengths < want).float().mean()),
+        "mean_verify_len": float(lengths.float().mean()),
+        "mean_needed_len": float(want.float().mean()),
+        "blocks": len(want),
+    }
+
+
+def _join(blocks: list[Blocks]) -> Blocks:
+    return Blocks(torch.cat([b.hidden for b in blocks]), torch.cat([b.accepted for b in blocks]))
+
+
+def train(args: argparse.Namespace) -> dict:
+    from ..api import load
+    from ..drafters.dflash import drafter_folder, load_dflash_model
+
+    target = load(args.model, device=args.device, dtype=torch.float32)
+    model = load_dflash_model(target, args.drafter, "length_head").float().eval()
+    cache = Path(args.feature_cache or Path(platformdirs.user_cache_dir("specflash")) / "train" / "features")
+    per_seq = collect_blocks(target, model, shard_paths(args.data), args.anchors, args.seed, cache)
+    if len(per_seq) < 2:
+        raise SpecFlashError("too little data: need at least two sequences with response tokens")
+    n_val = max(1, len(per_seq) // 10)
+    order = torch.randperm(len(per_seq), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    val, fit_on = _join([per_seq[i] for i in order[:n_val]]), _join([per_seq[i] for i in order[n_val:]])
+    torch.manual_seed(args.seed)
+    head = LengthHead(model.spec.hidden_size, args.bottleneck)
+    L = model.spec.block_size
+    losses = fit(head, fit_on, args.epochs, args.lr, args.batch, args.seed, L)
+    report = {"train": score(head, fit_on, L), "heldout": score(head, val, L), "epoch_losses": losses,
+              "recipe": {k: getattr(args, k) for k in ("anchors", "epochs", "lr", "batch", "bottleneck", "seed")},
+              "data": [str(d) for d in args.data], "drafter": str(args.drafter)}
+    args.export.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        source = drafter_folder(str(args.drafter)) / name
+        if source.resolve() != (args.export / name).resolve():
+            shutil.copyfile(source, args.export / name)
+    save_length_head(head, args.export)
+    (args.export / "length_head_report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return report
+
+
+def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specflash.training.length_head", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="preset, local folder or cached hub id of the target")
+    p.add_argument("--drafter", required=True, help="the frozen DFlash drafter folder")
+    p.add_argument("--data", required=True, type=lambda s: [Path(x) for x in s.split(",") if x],
+                   help="comma list of data folders (training.data or training.opd rounds) of target responses")
+    p.add_argument("--export", required=True, type=Path, help="folder for the drafter + head (a copy of --drafter)")
+    p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--bottleneck", type=int, default=256)
+    p.add_argument("--feature-cache", type=Path, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for flag in ("anchors", "epochs", "batch", "bottleneck"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1")
+    return args
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        report = train(args)
+    except SpecFlashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: report[k] for k in ("train", "heldout")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""AdaFlash training: the distillation objective, resumable OPD/SFT rounds, the length head trainer
+and the per-domain evaluation, on tiny models."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from test_dflash import random_drafter
+from specflash.api import generate
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
+from specflash.models.dflash import loss_weights
+from specflash.models.dflash_io import load_drafter, save_drafter
+from specflash.models.length_head import LengthHead, load_length_head
+from specflash.training import evaluate, length_head, opd
+from specflash.training.dflash_features import sequence_features
+from specflash.training.dflash_objective import make_sequence
+from specflash.training.opd_objective import BlockTerms, DistillConfig, block_terms, combine
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_head_logits_rebuild_the_targets_logits(tiny_targets, arch):
+    target = tiny_targets[arch]
+    ids = target.tokenizer("def add(a, b): return a + b").input_ids
+    target.capture_layers((target.num_layers - 1,))
+    out = target.forward(ids, target.new_cache(), 0)
+    assert torch.allclose(target.head_logits(out.features), out.logits, atol=1e-4)
+
+
+def _greedy_sequence(target, text: str, new: int):
+    ids = target.tokenizer(text).input_ids
+    full = ids + hf_greedy(target, ids, new)
+    layers = (1, target.num_layers - 1)
+    target.capture_layers(layers)
+    feats = sequence_features(target, full).clone()  # out of inference mode, for autograd
+    h = target.hidden_size
+    return make_sequence(full, len(ids), None), feats[:, :h], feats[:, h:]
+
+
+def test_opd_at_alpha_one_is_sft_on_greedy_data(tiny_targets):
+    target = tiny_targets["qwen3"]
+    model = random_drafter(target, block=4, feature_layers=(1,))
+    seq, feats, last = _greedy_sequence(target, "The quick brown fox", 12)
+    anchors = torch.arange(seq.first_anchor, len(seq.next_ids) - 1)
+    w = loss_weights(4, 2.0)
+    sft = combine([block_terms(model, seq, feats, last, anchors, w, target.head_logits, DistillConfig("sft"))],
+                  DistillConfig("sft"))[0]
+    cfg = DistillConfig("opd", alpha=1.0)
+    hard = combine([block_terms(model, seq, feats, last, anchors, w, target.head_logits, cfg)], cfg)[0]
+    assert torch.allclose(sft, hard, atol=1e-5)  # the target's argmax is the greedy data token
+    soft_cfg = DistillConfig("opd", alpha=0.0, clip=1e9)
+    terms = block_terms(model, seq, feats, last, anchors, w, target.head_logits, soft_cfg)
+    assert (terms.rkl[terms.weight > 0] >= -1e-5).all()  # a KL divergence
+    loss, stats = combine([terms], soft_cfg)
+    loss.backward()
+    assert stats["clip_ratio"] == 0.0 and any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_combine_clips_after_dividing_by_the_weight():
+    w = torch.tensor([[1.0, 0.5, 0.0]])
+    terms = BlockTerms(ce=torch.tensor([[2.0, 4.0, 9.0]]), rkl=torch.tensor([[0.3, 6.0, 9.0]]), weight=w,
+                       accepted=torch.tensor([1]))
+    cfg = DistillConfig("opd", alpha=0.5, clip=1.0)
+    loss, stats = combine([terms], cfg)
+    n = 1.5
+    ce = (2.0 * 1.0 + 4.0 * 0.5) / n
+    rkl = 1.0 * min(0.3 / n, 1.0) + 0.5 * min(6.0 / n, 1.0)  # the second slot is clipped
+    assert loss.item() == pytest.approx(0.5 * ce + 0.5 * rkl)
+    assert stats["clip_ratio"] == pytest.approx(0.5) and stats["tau"] == 2.0
+
+
+def _opd_args(tmp_path, model_dir, drafter_dir, objective="opd", rounds=1):
+    return ["--model", str(model_dir), "--drafter", str(drafter_dir), "--objective", objective, "--name", "t",
+            "--out", str(tmp_path / f"run-{objective}"), "--data-dir", str(tmp_path / "data"),
+            "--feature-cache", str(tmp_path / "features"), "--rounds", str(rounds), "--prompts-per-round", "4",
+            "--max-new-tokens", "10", "--gen-batch", "2", "--anchors", "4", "--seqs-per-step", "2", "--passes", "1"]
+
+
+@pytest.fixture(scope="module")
+def opd_run(tiny_dirs, tiny_targets, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("opd")
+    target = tiny_targets["qwen3"]
+    save_drafter(random_drafter(target, block=4, feature_layers=(1,)), tmp / "drafter", dtype=torch.float32)
+    assert opd.main(_opd_args(tmp, tiny_dirs["qwen3"], tmp / "drafter")) == 0
+    return tmp
+
+
+def test_opd_rounds_resume_and_share_data(opd_run, tiny_dirs, tiny_targets):
+    tmp, target = opd_run, tiny_targets["qwen3"]
+    logged = [json.loads(line) for line in (tmp / "run-opd" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1]  # 4 answers, 2 per step, 1 pass
+    round0 = next((tmp / "data").glob("*/round-000"))
+    made = {p.name: p.stat().st_mtime_ns for p in round0.iterdir()}
+    assert opd.main(_opd_args(tmp, tiny_dirs["qwen3"], tmp / "drafter", rounds=2)) == 0  # resume: one more round
+    logged = [json.loads(line) for line in (tmp / "run-opd" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2, 3] and logged[-1]["round"] == 1
+    assert {p.name: p.stat().st_mtime_ns for p in round0.iterdir()} == made  # round 0 was not answered again
+    samples = opd.read_shard(round0 / "shard-00000.safetensors")
+    prompt = samples[0].token_ids[: samples[0].prompt_len]
+    assert samples[0].token_ids[samples[0].prompt_len :] == hf_greedy(target, prompt, 10)[: len(samples[0].token_ids) - len(prompt)]
+    assert opd.main(_opd_args(tmp, tiny_dirs["qwen3"], tmp / "drafter", objective="sft")) == 0
+    assert len(list((tmp / "data").iterdir())) == 1  # SFT trained on the same answers
+    trained = load_drafter(tmp / "run-opd" / "export", target)
+    ids = target.tokenizer("def add(a, b):").input_ids
+    run = generate(target, ids, drafter=DFlashEngineDrafter(trained, DFlashConfig()), max_new_tokens=16, stop_on_eos=False)
+    assert run.output_ids == hf_greedy(target, ids, 16)
+
+
+def test_length_head_fit_learns_a_signal():
+    torch.manual_seed(0)
+    hidden = torch.randn(512, 4, 8)
+    accepted = torch.where(hidden[:, -1, 0] > 0, 3, 0)
+    blocks = length_head.Blocks(hidden.half(), accepted)
+    head = LengthHead(8, bottleneck=16)
+    before = length_head.score(head, blocks, 4)
+    losses = length_head.fit(head, blocks, epochs=40, lr=1e-2, batch=64, seed=0, block_size=4)
+    after = length_head.score(head, blocks, 4)
+    constant = float(((accepted + 1) / 4).var(unbiased=False))  # the best constant predictor's MSE
+    assert losses[-1] < losses[0] and after["mse"] < 0.25 * constant < before["mse"]
+    assert after["mean_abs_len_error"] < 0.5
+
+
+def test_length_head_training_writes_a_loadable_head(opd_run, tiny_dirs, tiny_targets):
+    tmp, target = opd_run, tiny_targets["qwen3"]
+    data = ",".join(str(p) for p in sorted((tmp / "data").glob("*/round-*")))
+    out = tmp / "with-head"
+    assert length_head.main(["--model", str(tiny_dirs["qwen3"]), "--drafter", str(tmp / "run-opd" / "export"),
+                             "--data", data, "--export", str(out), "--anchors", "4", "--epochs", "3",
+                             "--feature-cache", str(tmp / "features")]) == 0
+    assert isinstance(load_length_head(out, target.hidden_size), LengthHead)
+    report = json.loads((out / "length_head_report.json").read_text())
+    assert report["heldout"]["blocks"] > 0 and len(report["epoch_losses"]) == 3
+    ids = target.tokenizer("def add(a, b):").input_ids
+    run = generate(target, ids, method="adaflash", drafter=str(out), options={"rule": "head"}, max_new_tokens=12,
+                   stop_on_eos=False)
+    assert run.output_ids == hf_greedy(target, ids, 12)
+    assert all(s.extras["adaflash"]["score"] is not None for s in run.steps[1:] if "adaflash" in s.extras)
+
+
+def test_acceptance_by_domain(opd_run, tiny_targets):
+    target = tiny_targets["qwen3"]
+    result = evaluate.acceptance_by_domain(target, str(opd_run / "drafter"), ("math", "code"), per_domain=2,
+                                           max_new_tokens=8)
+    values = list(result["domains"].values())
+    assert all(v >= 1.0 for v in values) and result["mean"] == pytest.approx(statistics.fmean(values))
+    assert result["std"] == pytest.approx(statistics.pstdev(values)) and len(result["outputs"]) == 4
+    ar = evaluate.acceptance_by_domain(target, None, ("math", "code"), per_domain=2, max_new_tokens=8, method="ar")
+    assert ar["outputs"] == result["outputs"] and ar["mean"] == 1.0
