@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 from conftest import LOSSLESS_ARCHS, hf_greedy
 from test_dflash import random_drafter
 from specflash.api import generate
-from specflash.drafters.adaflash import RULES, AdaFlashConfig, AdaFlashDrafter, annotate_cuts, build, cut_length
+from specflash.drafters.adaflash import (
+    RULES, AdaFlashConfig, AdaFlashDrafter, acceptance_estimate, annotate_cuts, build, cut_length,
+)
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.errors import CheckpointError, MethodConfigError
 from specflash.models.dflash_io import load_drafter, save_drafter
@@ -170,3 +172,14 @@ def test_annotate_cuts_on_hand_built_runs():
     assert would[0] == 2  # 8 (the target's own token) and 9 follow 6 in the output, 7 does not
     run.sampling = {"temperature": 0.7}
     assert all(s.extras["adaflash"]["cut_would_accept"] is None for s in annotate_cuts(run).steps[1:])
+
+
+def test_cost_rule_can_read_the_heads_estimate():
+    probs = torch.full((7, 3), 1 / 3)  # the draft's own confidences say nothing
+    cfg = AdaFlashConfig(rule="cost", estimate="head")
+    assert acceptance_estimate(probs, cfg, 3.5 / 8, 8) == [1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0]  # A = 2.5
+    assert cut_length("cost", probs, cfg, FLAT[:8], 1, score=3.5 / 8, block_size=8) == 3
+    assert cut_length("cost", probs, cfg, STEEP[:8], 1, score=3.5 / 8, block_size=8) == 2  # half a token is not worth c(4)
+    assert cut_length("cost", probs, AdaFlashConfig(rule="cost"), FLAT[:8], 1) == 7  # flat cost: verify everything
+    with pytest.raises(MethodConfigError, match="estimate"):
+        AdaFlashConfig(estimate="oracle")

@@ -12,7 +12,8 @@ selectable by name:
   (nats).
 - `cost` (default): the cost-aware cut: with the device's measured verify-cost curve c(l), keep
   the m drafts that maximise expected committed tokens per unit of verify cost, reading the
-  per-position draft probabilities as acceptance estimates; `rate` scales the estimates.
+  per-position draft probabilities as acceptance estimates (or, with `estimate=head`, the length
+  head's predicted run); `rate` scales the estimates.
 - `head`: AdaFlash's learned length head reads the drafter's block hidden states and predicts
   r = verify length / L; the target verifies clamp(round(r * L * rate), min_len, L) positions
   (methods.md §2.2). The head ships inside the drafter folder (models/length_head.py).
@@ -38,6 +39,7 @@ from .base import Draft
 from .dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder, load_dflash_model
 
 RULES = ("cost", "fixed", "heuristic", "confidence", "entropy", "head")
+ESTIMATES = ("confidence", "head")
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,14 @@ class AdaFlashConfig(DFlashConfig):
     threshold: float = 0.5
     rate: float = 1.0
     min_len: int = 1
+    estimate: str = "confidence"  # what the cost rule reads as acceptance: draft confidences or the head
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rule not in RULES:
             raise MethodConfigError(f"unknown cut rule {self.rule!r}; choose from {', '.join(RULES)}")
+        if self.estimate not in ESTIMATES:
+            raise MethodConfigError(f"unknown estimate {self.estimate!r}; choose from {', '.join(ESTIMATES)}")
         for name in ("fixed_len", "min_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -60,6 +65,25 @@ class AdaFlashConfig(DFlashConfig):
             raise MethodConfigError(f"rate must be > 0, got {self.rate!r}")
         if not isinstance(self.threshold, (int, float)) or self.threshold < 0:
             raise MethodConfigError(f"threshold must be >= 0, got {self.threshold!r}")
+
+    @property
+    def needs_head(self) -> bool:
+        return self.rule == "head" or (self.rule == "cost" and self.estimate == "head")
+
+
+def acceptance_estimate(probs: torch.Tensor, cfg: AdaFlashConfig, score: float | None, block_size: int) -> list[float]:
+    """Per drafted position, the chance it is accepted given the ones before it, as the cost rule
+    reads it: the draft's own confidence (scaled by `rate`), or, with estimate "head", the head's
+    predicted run A = r * L * rate - 1 spread as certain acceptance up to floor(A) and the
+    fractional rest at the next position (so the expected run is exactly A)."""
+    k = probs.shape[0]
+    if cfg.estimate == "head":
+        if score is None:
+            raise MethodConfigError("estimate 'head' needs the length head's score")
+        run = max(0.0, score * block_size * cfg.rate - 1)
+        whole = int(run)
+        return [1.0 if j < whole else run - whole if j == whole else 0.0 for j in range(k)]
+    return [min(1.0, c * cfg.rate) for c in probs.max(dim=-1).values.tolist()]
 
 
 def cut_length(
@@ -83,7 +107,7 @@ def cut_length(
     if rule == "entropy":
         entropy = (-(probs * probs.clamp_min(1e-12).log()).sum(dim=-1)).tolist()
         return next((i for i, h in enumerate(entropy) if h > cfg.threshold), k)
-    return best_cut([min(1.0, c * cfg.rate) for c in conf], cost)
+    return best_cut(acceptance_estimate(probs, cfg, score, block_size or k + 1), cost)
 
 
 class AdaFlashDrafter(DFlashEngineDrafter):
@@ -92,9 +116,9 @@ class AdaFlashDrafter(DFlashEngineDrafter):
     def __init__(self, model, cfg: AdaFlashConfig, cost: list[float] | None = None,
                  head: LengthHead | None = None) -> None:
         super().__init__(model, cfg)
-        if cfg.rule == "head" and head is None:
-            raise CheckpointError("rule 'head' needs a drafter folder with a trained length head "
-                                  "(python -m specflash.training.length_head); this drafter has none")
+        if cfg.needs_head and head is None:
+            raise CheckpointError(f"rule {cfg.rule!r} with estimate {cfg.estimate!r} needs a drafter folder with a "
+                                  "trained length head (python -m specflash.training.length_head); this one has none")
         self.cost = cost
         self.head = None if head is None else head.to(self.device).eval()
         self.window = cfg.fixed_len
