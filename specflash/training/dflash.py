@@ -296,7 +296,9 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask or an unused special")
     p.add_argument("--gamma", type=float, default=None, help="loss decay exp(-(k-1)/gamma); default block_size/2")
     p.add_argument("--head-vocab", type=int, default=0,
-                   help="train the softmax over the K most frequent target tokens + batch labels (0 = all)")
+                   help="train the softmax over the K most frequent target tokens + batch labels (0 = all, the "
+                        "default). A CPU shortcut with a trap: the other logits are never trained, and the drafter "
+                        "may draft an untrained token everywhere at inference; finish with full-vocabulary steps")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=float, default=0.04, help="fraction of steps")
     p.add_argument("--clip", type=float, default=1.0)
