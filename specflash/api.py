@@ -7,8 +7,10 @@ GPU is present and CPU/fp32 otherwise, and can always be given explicitly.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +21,9 @@ from .errors import EmptyPromptError
 from .metrics import summarize
 from .models.target import TargetModel
 from .trace import RunRecord, StepRecord
+
+if TYPE_CHECKING:
+    from .batch import BatchDrafter
 
 
 def default_device() -> str:
@@ -116,3 +121,63 @@ def run_record(decoding: Decoding, method: str) -> RunRecord:
 def generate(target: TargetModel, prompt: str | list[int], method: str = "ar", **kwargs: Any) -> RunRecord:
     """Run to the end and return the RunRecord (same arguments as stream)."""
     return run_record(stream(target, prompt, method, **kwargs), method)
+
+
+@dataclass
+class BatchRun:
+    """A batched run: one RunRecord per row (in prompt order) plus the batch's own figures:
+    `wall` seconds end to end (prefill included), `new_tokens` over all rows, `throughput`
+    = new_tokens / wall (tokens/s across the batch), `fed_tokens` per target forward (rows x
+    positions, padding included; the first is the prefill)."""
+
+    runs: list[RunRecord]
+    wall: float
+    new_tokens: int
+    throughput: float
+    fed_tokens: list[int]
+
+
+def generate_batch(
+    target: TargetModel,
+    prompts: list[str | list[int]],
+    method: str = "ar",
+    max_new_tokens: int | None = 64,
+    sampling: SamplingConfig | None = None,
+    raw: bool = False,
+    drafter: str | Drafter | BatchDrafter | None = None,
+    options: dict[str, Any] | None = None,
+    stop_on_eos: bool = True,
+    cache_dir: Path | None = None,
+    batch_cost: list[float] | None = None,
+) -> BatchRun:
+    """Decode every prompt at once with `method` (ar, dflash or adaflash); each row's output is
+    what generate() gives for that prompt alone at temperature 0. Arguments as stream();
+    `drafter` may also be a ready single-sequence Drafter (its network is shared) or a
+    BatchDrafter; `batch_cost` overrides AdaFlash's verify-cost curve (default: measured at
+    this batch size). Row b samples with seed sampling.seed + b."""
+    from .batch import BatchDecoding, BatchDrafter, batch_drafter, build_batch_drafter  # loads the DFlash modules
+
+    sampling = sampling or SamplingConfig()
+    ids = [encode_prompt(target, p, raw) for p in prompts]
+    if isinstance(drafter, BatchDrafter):
+        built = drafter
+    elif isinstance(drafter, Drafter):
+        built = batch_drafter(drafter, batch_cost)
+    else:
+        built = build_batch_drafter(method, target, options, drafter, batch=len(ids), cache_dir=cache_dir)
+    decoding = BatchDecoding(target, built, ids, sampling, max_new_tokens, stop_on_eos)
+    t0 = time.perf_counter()
+    for _ in decoding:
+        pass
+    wall = time.perf_counter() - t0
+    runs = []
+    for row in decoding.rows:
+        run = RunRecord(
+            method=method, config=built.config_dict(), sampling=config_to_dict(sampling), model=target.name,
+            device=str(target.device), prompt_ids=row.prompt, steps=row.steps, output_ids=row.output,
+            finish_reason=row.finish_reason or "stopped", prefill_time=row.steps[0].verify_time,
+        )
+        run.metrics = summarize(run)
+        runs.append(run)
+    new_tokens = sum(len(r.output_ids) for r in runs)
+    return BatchRun(runs, wall, new_tokens, new_tokens / wall if wall > 0 else 0.0, list(decoding.fed))

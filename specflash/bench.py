@@ -29,7 +29,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     from .cli import add_model_args
 
     add_model_args(p)
-    p.add_argument("--methods", default="ar,pld,hf-pld", help="comma list; hf-assisted and hf-pld are reference rows")
+    p.add_argument("--methods", default=None, help="comma list (default ar,pld,hf-pld); hf-assisted and hf-pld are "
+                   "reference rows; with --batch-sizes (default ar,dflash,adaflash): ar, dflash, adaflash and labelled "
+                   "variants such as adaflash:fixed (a label naming a cut rule sets it; -o adaflash:fixed.KEY=VALUE "
+                   "sets that variant's knobs)")
     p.add_argument("--domains", default="math,code,writing,rewrite")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -37,6 +40,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="drafter for every method that takes one: draft, hf-assisted, dflash, adaflash, dels (default: the preset's)")
     p.add_argument("-o", "--option", action="append", default=[], metavar="METHOD.KEY=VALUE")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench.json"))
+    p.add_argument("--batch-sizes", default=None, metavar="1,4,16,32",
+                   help="sweep batch sizes instead: every method decodes the same batch; throughput across the batch")
 
 
 @dataclass
@@ -136,7 +141,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from .models.loading import load_causal_lm
     from .prompts import heldout_prompts
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.batch_sizes:
+        from .bench_batch import run_batch_bench
+
+        return run_batch_bench(args)
+    methods = [m.strip() for m in (args.methods or "ar,pld,hf-pld").split(",") if m.strip()]
     if "ar" not in methods:
         methods.insert(0, "ar")
     target = load(args.model, device=args.device, dtype=_dtype(args.dtype), cache_dir=args.cache_dir)

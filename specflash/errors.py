@@ -55,3 +55,7 @@ class PresetUnavailableError(SpecFlashError):
 
 class ConversionError(SpecFlashError):
     """Fetching or converting a packaged model failed (checksum, disk space, unreadable file)."""
+
+
+class UnbatchableMethodError(SpecFlashError):
+    """A method asked to decode a batch that only decodes one sequence at a time."""

@@ -2,7 +2,9 @@
 
 Whether verifying one more drafted token pays depends on this curve: nearly flat on a GPU at
 batch 1, steep on a CPU. It is measured once per (model, device) on a fixed prefix, medians over
-repeats, and cached as JSON so later runs reuse it.
+repeats, and cached as JSON so later runs reuse it. A batch of B rows has its own curve c_B(l)
+(B rows x l tokens, relative to B rows x 1 token): a batched step pays for the longest row, so
+its cut is one common length for the whole batch (`best_common_cut`).
 """
 
 from __future__ import annotations
@@ -11,27 +13,42 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from .engine import sync_device
 
 
-def measure_verify_cost(target, max_len: int, repeats: int = 5, prefix_len: int = 64) -> list[float]:
-    """[c(1) = 1, c(2), ..., c(max_len)]."""
+def measure_verify_cost(target, max_len: int, repeats: int = 5, prefix_len: int = 64, batch: int = 1) -> list[float]:
+    """[c(1) = 1, c(2), ..., c(max_len)], each a forward of `batch` rows."""
     prefix = [i % target.vocab_size for i in range(10, 10 + prefix_len)]
     medians = []
     for n in range(1, max_len + 1):
         times = []
         for _ in range(repeats + 1):  # the first call warms up
             cache = target.new_cache()
-            target.forward(prefix, cache, 0, last_only=True)
+            _forward(target, prefix, cache, 0, batch, last_only=True)
             block = [(20 + i) % target.vocab_size for i in range(n)]
             sync_device(target.device)
             t0 = time.perf_counter()
-            target.forward(block, cache, prefix_len)
+            _forward(target, block, cache, prefix_len, batch)
             sync_device(target.device)
             times.append(time.perf_counter() - t0)
         medians.append(sorted(times[1:])[len(times[1:]) // 2])
     base = medians[0]
     return [m / base for m in medians]
+
+
+@torch.inference_mode()
+def _forward(target, ids: list[int], cache, start: int, batch: int, last_only: bool = False) -> None:
+    """The same `ids` in each of `batch` rows at positions start..: the target wrapper's own
+    forward at batch 1, the model's plain causal forward (no padding to mask) above it."""
+    if batch == 1:
+        target.forward(ids, cache, start, last_only=last_only)
+        return
+    input_ids = torch.tensor([ids] * batch, device=target.device)  # [B, n]
+    positions = torch.arange(start, start + len(ids), device=target.device)[None].expand(batch, -1)
+    target.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
+                 logits_to_keep=1 if last_only else 0)
 
 
 def monotone(curve: list[float]) -> list[float]:
@@ -43,17 +60,19 @@ def monotone(curve: list[float]) -> list[float]:
     return out
 
 
-def cached_verify_cost(target, max_len: int, cache_dir: Path | None) -> list[float]:
-    """The curve from `cache_dir/verify-cost/` if measured before for this model and device."""
+def cached_verify_cost(target, max_len: int, cache_dir: Path | None, batch: int = 1) -> list[float]:
+    """The curve from `cache_dir/verify-cost/` if measured before for this model, device and
+    batch size (batch 1 keeps the file name it always had)."""
     if cache_dir is None:
-        return monotone(measure_verify_cost(target, max_len))
-    key = f"{Path(str(target.name)).name}-{target.device.type}-{str(target.dtype).split('.')[-1]}.json"
+        return monotone(measure_verify_cost(target, max_len, batch=batch))
+    suffix = "" if batch == 1 else f"-b{batch}"
+    key = f"{Path(str(target.name)).name}-{target.device.type}-{str(target.dtype).split('.')[-1]}{suffix}.json"
     path = Path(cache_dir) / "verify-cost" / key
     if path.exists():
         curve = json.loads(path.read_text())
         if len(curve) >= max_len:
             return curve[:max_len]
-    curve = monotone(measure_verify_cost(target, max_len))
+    curve = monotone(measure_verify_cost(target, max_len, batch=batch))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
     return curve
@@ -68,6 +87,28 @@ def best_cut(confidences: list[float], cost: list[float], draft_cost: float = 0.
             break
         survive *= conf
         expected += survive
+        value = expected / (cost[m] + draft_cost)
+        if value > best_value:
+            best_m, best_value = m, value
+    return best_m
+
+
+def best_common_cut(confidences_per_row: list[list[float]], cost: list[float], draft_cost: float = 0.0) -> int:
+    """One cut m for a whole batch, whose forward feeds every row m + 1 positions: argmax over m
+    of sum_b E_b(m) / (c_B(m + 1) + draft_cost), with E_b as in `best_cut` over row b's own
+    confidences (a row with fewer drafts than m verifies all of them and gains nothing more).
+    With one row this is `best_cut`."""
+    deepest = max((len(conf) for conf in confidences_per_row), default=0)
+    survive = [1.0] * len(confidences_per_row)
+    expected = float(len(confidences_per_row))  # sum_b E_b(0): every row commits the target's token
+    best_m, best_value = 0, expected / (cost[0] + draft_cost)
+    for m in range(1, deepest + 1):
+        if m >= len(cost):
+            break
+        for b, conf in enumerate(confidences_per_row):
+            if m <= len(conf):
+                survive[b] *= conf[m - 1]
+                expected += survive[b]
         value = expected / (cost[m] + draft_cost)
         if value > best_value:
             best_m, best_value = m, value

@@ -1,0 +1,156 @@
+"""Batched target forwards over one shared KV cache whose slots carry per-row validity.
+
+Rows differ in prompt length and in how many drafted tokens each keeps, yet one rectangular
+forward serves them all. The cache is one [B, kv_heads, S, head_dim] tensor per layer plus a
+validity mask `valid` [B, S]: slot s of row b either holds one of row b's committed tokens or is
+a hole (left padding of a shorter prompt, or a block position the row did not keep).
+
+Why validity masks rather than re-aligning rows after every step: every batched method drafts a
+chain, so row b keeps a prefix (root + accepted path) of the block it fed. Cropping the shared
+cache at the longest kept prefix and marking the rest of each row's block invalid costs nothing,
+whereas re-aligning would copy the whole cache every step. Keys are rotated at their own absolute
+positions (per-row position ids), so a key's slot never matters, only whether its row may see it,
+which the 4-D additive mask says. Holes are reclaimed by `compact` (each row's valid slots
+gathered together, right-aligned as after the prefill) once more than half the slot axis is
+removable, and after finished rows are dropped, so the waste stays bounded.
+
+Masks are additive with finfo.min (eager attention adds them; a bool mask would be silently wrong
+there), and every query sees at least itself, so pad queries never meet an all-masked row (NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ..kv import rollback
+from ..models.target import TargetModel
+
+
+def batch_mask(cache_valid: torch.Tensor, block_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, T, S + T]: query t of row b sees row b's valid cache slots, the valid
+    block slots up to t, and always itself. cache_valid [B, S], block_valid [B, T] (bool)."""
+    b, t = block_valid.shape
+    device = block_valid.device
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    block = (causal[None] & block_valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=device)[None]  # [B, T, T]
+    allow = torch.cat([cache_valid[:, None, :].expand(b, t, -1), block], dim=-1)  # [B, T, S + T]
+    mask = torch.zeros(b, 1, t, allow.shape[-1], dtype=dtype, device=device)
+    return mask.masked_fill(~allow[:, None], torch.finfo(dtype).min)
+
+
+def compact_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather index [B, S'] that moves each row's valid slots, in order, to the right end of a
+    slot axis of S' = the largest valid count, and the new validity [B, S']."""
+    s = valid.shape[1]
+    order = torch.argsort(valid.long() * s + torch.arange(s, device=valid.device), dim=1)  # holes first
+    counts = valid.sum(dim=1)
+    width = int(counts.max()) if valid.numel() else 0
+    new_valid = torch.arange(width, device=valid.device)[None] >= (width - counts)[:, None]
+    return order[:, s - width :], new_valid
+
+
+def gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, S, hd], index [B, S'] -> [B, heads, S', hd]."""
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
+def worth_compacting(valid: torch.Tensor) -> bool:
+    """More than half the slot axis could go."""
+    return valid.shape[1] > 0 and 2 * (valid.shape[1] - int(valid.sum(dim=1).max())) > valid.shape[1]
+
+
+@dataclass
+class BatchCache:
+    """The shared HF cache and which of its slots each row may see."""
+
+    cache: DynamicCache
+    valid: torch.Tensor  # [B, S] bool
+
+    @property
+    def length(self) -> int:
+        return int(self.valid.shape[1])
+
+    def commit(self, start: int, kept: torch.Tensor) -> None:
+        """After a block fed at slot `start`, row b keeps its first kept[b] block slots ([B] long)."""
+        longest = int(kept.max())
+        rollback(self.cache, int(self.cache.get_seq_length()) - start - longest)
+        block = torch.arange(longest, device=kept.device)[None] < kept[:, None]  # [B, longest]
+        self.valid = torch.cat([self.valid[:, :start], block], dim=1)
+        if worth_compacting(self.valid):
+            self.compact()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished rows leave the batch), then drop shared holes."""
+        self.cache.batch_select_indices(rows)
+        self.valid = self.valid[rows]
+        if worth_compacting(self.valid):
+            self.compact()
+
+    def compact(self) -> None:
+        index, self.valid = compact_index(self.valid)
+        for layer in self.cache.layers:
+            # keys/values: [B, kv_heads, S, head_dim]
+            layer.keys, layer.values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
+
+
+@dataclass
+class BatchOutput:
+    logits: torch.Tensor  # [B, T, V] float32 (T = 1 after a prefill: the last prompt token)
+    features: torch.Tensor | None  # [B, T, n_layers * H] hooked layer outputs
+
+
+class BatchTarget:
+    """The target's batched forwards: a left-padded prefill and per-row verification blocks."""
+
+    def __init__(self, target: TargetModel) -> None:
+        self.target = target
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> tuple[BatchCache, BatchOutput]:
+        """All prompts, left-padded to the longest, in one forward. Logits are the last prompt
+        token's; features cover every slot (pads included; the cache's `valid` says which)."""
+        device, width = self.target.device, max(len(p) for p in prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        slots = torch.arange(width, device=device)[None]
+        valid = slots >= (width - lengths)[:, None]  # [B, P]
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # [B, P]
+        positions = (slots - (width - lengths)[:, None]).clamp_min(0)  # [B, P]; pads at 0
+        empty = torch.zeros(len(prompts), 0, dtype=torch.bool, device=device)
+        state = BatchCache(self.target.new_cache(), empty)
+        out = self._forward(ids, positions, batch_mask(empty, valid, self.target.dtype), state.cache, last_only=True)
+        state.valid = valid
+        return state, out
+
+    @torch.inference_mode()
+    def verify(
+        self, state: BatchCache, ids: torch.Tensor, block_valid: torch.Tensor, root_pos: torch.Tensor
+    ) -> BatchOutput:
+        """Feed ids [B, T] (root, drafts, pads) at positions root_pos[b] + t on top of the cache;
+        block_valid [B, T] marks the real (non-pad) positions."""
+        t = ids.shape[1]
+        window = self.target.sliding_window
+        if window is not None and int(root_pos.max()) + t > window:
+            raise NotImplementedError(
+                f"batched decoding past the {window}-token sliding window is not supported; use a shorter context"
+            )
+        positions = root_pos[:, None] + torch.arange(t, device=ids.device)[None]  # [B, T]
+        mask = batch_mask(state.valid, block_valid, self.target.dtype)
+        return self._forward(ids, positions, mask, state.cache)
+
+    def _forward(self, ids, positions, mask, cache, last_only: bool = False) -> BatchOutput:
+        out = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
+                                use_cache=True, logits_to_keep=1 if last_only else 0)
+        return BatchOutput(out.logits.float(), self._features())
+
+    def _features(self) -> torch.Tensor | None:
+        """The hooked layers' outputs of the last forward, [B, T, n_layers * H]: the hooks are the
+        target wrapper's own (TargetModel.capture_layers), read here for every batch row."""
+        hooked, captured = self.target._hooked, self.target._captured
+        if not hooked:
+            return None
+        features = torch.cat([captured[i] for i in hooked], dim=-1)
+        captured.clear()
+        return features
