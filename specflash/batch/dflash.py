@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..config import SamplingConfig
-from ..drafters.adaflash import AdaFlashDrafter, cut_length
+from ..drafters.adaflash import AdaFlashDrafter, acceptance_estimate, cut_length
 from ..drafters.base import Draft, Drafter
 from ..drafters.dflash import DFlashEngineDrafter
 from ..errors import MethodConfigError, UnbatchableMethodError
@@ -139,8 +139,9 @@ class BatchAdaFlash(BatchDFlash):
         super().__init__(single)
         self.cfg, self.head = single.cfg, single.head
         self.cost = single.cost if cost is None else cost
-        if self.cfg.rule == "head" and self.head is None:
-            raise MethodConfigError("rule 'head' needs a length head: this AdaFlash drafter has none")
+        if self.cfg.needs_head and self.head is None:
+            raise MethodConfigError(f"rule {self.cfg.rule!r} with estimate {self.cfg.estimate!r} needs a length head: "
+                                    "this AdaFlash drafter has none")
         if self.cfg.rule == "cost" and self.cost is None:
             raise MethodConfigError("rule 'cost' needs the verify-cost curve of the batch")
 
@@ -174,7 +175,7 @@ class BatchAdaFlash(BatchDFlash):
         B > 1 gives every row the batch's common cut instead."""
         cfg, L = self.cfg, self.spec.block_size
         if cfg.rule == "cost" and len(probs) > 1:
-            confidences = [[min(1.0, c * cfg.rate) for c in p.max(dim=-1).values.tolist()] for p in probs]
+            confidences = [acceptance_estimate(p, cfg, s, L) for p, s in zip(probs, scores)]
             common = best_common_cut(confidences, self.cost)
             cuts = [common] * len(probs)
         else:
