@@ -114,6 +114,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target, args.prompt, args.method, max_new_tokens=args.max_new_tokens, sampling=sampling, raw=args.raw,
         drafter=drafter, options=options, cache_dir=args.cache_dir,
     )
+    if args.method == "adaflash":
+        from .drafters.adaflash import annotate_cuts
+
+        annotate_cuts(run)  # hindsight on the cut tokens, after the timed run
     text = target.tokenizer.decode(run.output_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({**run.to_dict(), "text": text, "stats": run.metrics}))

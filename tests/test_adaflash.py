@@ -183,3 +183,17 @@ def test_cost_rule_can_read_the_heads_estimate():
     assert cut_length("cost", probs, AdaFlashConfig(rule="cost"), FLAT[:8], 1) == 7  # flat cost: verify everything
     with pytest.raises(MethodConfigError, match="estimate"):
         AdaFlashConfig(estimate="oracle")
+
+
+def test_cli_json_carries_the_hindsight_on_cut_tokens(tiny_dirs, tiny_targets, tmp_path, capsys):
+    from specflash.cli import main
+
+    target = tiny_targets["qwen3"]
+    save_drafter(random_drafter(target, block=8, feature_layers=(1,)), tmp_path, dtype=torch.float32)
+    assert main(["generate", "--model", str(tiny_dirs["qwen3"]), "--method", "adaflash", "--drafter", str(tmp_path),
+                 "--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "12", "--json", "-o", "rule=fixed",
+                 "-o", "fixed_len=1"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    ada = [s["extras"]["adaflash"] for s in record["steps"] if "adaflash" in s["extras"]]
+    assert ada and all("cut_would_accept" in a for a in ada)
+    assert record["output_ids"] == hf_greedy(target, target.tokenizer("def add(a, b):").input_ids, 12)[: len(record["output_ids"])]
