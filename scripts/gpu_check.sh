@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For a GPU host: the lossless tests on CUDA, then a short benchmark, in one call of a few minutes.
+# For a GPU host: the lossless tests on CUDA, then a short benchmark and a batch sweep, in one call of a few minutes.
 # Results go to ${OUT:-gpu-out}/. Assumes torch with CUDA is already installed in the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,3 +11,6 @@ python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pri
 SPECFLASH_TEST_DEVICE=cuda timeout 300 python -m pytest -q -m "not slow" tests/test_gpu.py 2>&1 | tee "$out/lossless.txt"
 timeout 200 python -m specflash bench --model smollm2-135m --device cuda --methods ar,pld,hf-pld,dflash,ptd \
   --prompts-per-domain 2 --max-new-tokens 96 --repeats 3 --out "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+timeout 200 python -m specflash bench --model smollm2-135m --device cuda --methods ar,dflash,adaflash,adaflash:head \
+  --batch-sizes 1,4,16,32 --prompts-per-domain 2 --max-new-tokens 64 --repeats 3 --out "$out/bench-batch.json" 2>&1 \
+  | tee "$out/bench-batch.txt"

@@ -51,3 +51,21 @@ def test_cuda_sampling_is_reproducible(cuda_targets):
             for _ in range(2)]
     assert runs[0].output_ids == runs[1].output_ids
     assert runs[0].device.startswith("cuda")
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "adaflash"])
+def test_cuda_batched_rows_equal_their_own_greedy(cuda_targets, method):
+    from specflash.api import generate_batch
+    from specflash.drafters.adaflash import AdaFlashConfig, AdaFlashDrafter
+    from specflash.drafters.base import Drafter
+    from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
+    from test_dflash import random_drafter
+
+    target = cuda_targets["llama"]
+    texts = ["The quick brown fox", "def add(a, b):", "Once upon a time there was a"]
+    prompts = [target.tokenizer(t).input_ids for t in texts]
+    model = random_drafter(target, block=8, feature_layers=(1,))
+    drafter = {"ar": Drafter(), "dflash": DFlashEngineDrafter(model, DFlashConfig()),
+               "adaflash": AdaFlashDrafter(model, AdaFlashConfig(rule="fixed", fixed_len=2))}[method]
+    batch = generate_batch(target, prompts, method=method, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
+    assert [run.output_ids for run in batch.runs] == [hf_greedy(target, ids, 24) for ids in prompts]
