@@ -150,3 +150,12 @@ def test_acceptance_by_domain(opd_run, tiny_targets):
     assert result["std"] == pytest.approx(statistics.pstdev(values)) and len(result["outputs"]) == 4
     ar = evaluate.acceptance_by_domain(target, None, ("math", "code"), per_domain=2, max_new_tokens=8, method="ar")
     assert ar["outputs"] == result["outputs"] and ar["mean"] == 1.0
+
+
+def test_scripts_fail_with_one_line_and_status_2(tiny_dirs, tmp_path, capsys):
+    args = _opd_args(tmp_path, tiny_dirs["qwen3"], tmp_path / "no-such-drafter")
+    assert opd.main(args) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert evaluate.main(["--model", str(tiny_dirs["qwen3"]), "--drafters", str(tmp_path / "missing"),
+                          "--per-domain", "1", "--max-new-tokens", "2"]) == 2
+    assert "not found" in capsys.readouterr().err

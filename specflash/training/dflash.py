@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import shutil
-import sys
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from ..models.dflash_io import load_state, new_drafter, pick_mask_token, read_co
 from ..models.target import TargetModel
 from .data import MANIFEST, load_target, read_shard
 from .dflash_features import shard_features
+from .entry import run_script
 from .dflash_objective import make_sequence, sample_anchors, sequence_loss
 
 CHECKPOINT = "checkpoint"
@@ -326,16 +326,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Seq[str] | None = None) -> int:
     """CLI entry: exit 0 on success, 2 with a one-line message on bad input."""
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        progress = train(args)
-    except SpecFlashError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"trained {progress.step} steps, {progress.tokens} tokens, {progress.seconds / 60:.1f} min", file=sys.stderr)
-    return 0
+    return run_script(parse_args(argv), train, lambda p: f"trained {p.step} steps, {p.tokens} tokens, {p.seconds / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -13,16 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import SpecFlashError
 from ..metrics import decode_steps
 from ..prompts import DOMAINS, heldout_prompts
+from .entry import run_script
 
 
 def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_domain: int = 4,
@@ -72,28 +71,26 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Seq[str] | None = None) -> int:
+def compare(args: argparse.Namespace) -> str:
+    """Evaluate every drafter, print the table, write the JSON; the one-line verdict on outputs."""
     from ..api import load
 
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        target = load(args.model, device=args.device, dtype=torch.float32)
-        results = {label: acceptance_by_domain(target, drafter, args.domains, args.per_domain, args.max_new_tokens)
-                   for label, drafter in zip(args.labels, args.drafters)}
-    except SpecFlashError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    target = load(args.model, device=args.device, dtype=torch.float32)
+    results = {label: acceptance_by_domain(target, drafter, args.domains, args.per_domain, args.max_new_tokens)
+               for label, drafter in zip(args.labels, args.drafters)}
     outputs = [r.pop("outputs") for r in results.values()]
     identical = all(o == outputs[0] for o in outputs)
     print(format_table(results))
-    print(f"\noutputs identical across drafters: {identical}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
                                         "outputs_identical": identical}, indent=1) + "\n", encoding="utf-8")
-    return 0
+    return f"outputs identical across drafters: {identical}"
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    """CLI entry: exit 0 on success, 2 with a one-line message on bad input."""
+    return run_script(parse_args(argv), compare, str)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from ..models.target import TargetModel
 from .data import read_shard
 from .dflash import shard_paths
 from .dflash_features import shard_features
+from .entry import run_script
 from .dflash_objective import block_forward, block_labels, leading_correct, make_sequence, sample_anchors
 
 
@@ -159,16 +159,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Seq[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        report = train(args)
-    except SpecFlashError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps({k: report[k] for k in ("train", "heldout")}, indent=1))
-    return 0
+    """CLI entry: exit 0 on success, 2 with a one-line message on bad input."""
+    return run_script(parse_args(argv), train, lambda r: json.dumps({k: r[k] for k in ("train", "heldout")}, indent=1))
 
 
 if __name__ == "__main__":

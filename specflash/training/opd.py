@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
@@ -29,14 +28,14 @@ import torch
 from tqdm import tqdm
 
 from ..config import SamplingConfig
-from ..errors import SpecFlashError
 from ..models.dflash import loss_weights
 from ..models.dflash_io import load_state, save_drafter
 from ..models.target import TargetModel
 from ..prompts import training_prompts
-from .data import MANIFEST, Sample, _read_manifest, _write_manifest, read_shard, write_shard
+from .data import Sample, _read_manifest, _write_manifest, read_shard, write_shard
 from .dflash import CHECKPOINT, TRAINER_STATE, save_checkpoint
 from .dflash_features import shard_features
+from .entry import run_script
 from .dflash_objective import make_sequence, sample_anchors
 from .opd_objective import OBJECTIVES, DistillConfig, block_terms, combine
 
@@ -233,17 +232,9 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Seq[str] | None = None) -> int:
+    """CLI entry: exit 0 on success, 2 with a one-line message on bad input."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        progress = train(args)
-    except SpecFlashError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"{args.objective}: {progress.round} rounds, {progress.step} steps, {progress.seconds / 60:.1f} min",
-          file=sys.stderr)
-    return 0
+    return run_script(args, train, lambda p: f"{args.objective}: {p.round} rounds, {p.step} steps, {p.seconds / 60:.1f} min")
 
 
 if __name__ == "__main__":
