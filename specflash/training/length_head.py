@@ -65,10 +65,18 @@ def collect_blocks(target: TargetModel, model: DFlashDrafter, shards: list[Path]
 
 
 def fit(head: LengthHead, train: Blocks, epochs: int, lr: float, batch: int, seed: int, block_size: int) -> list[float]:
-    """MSE training of the head; returns the mean loss of each epoch."""
+    """MSE training of a fresh head; returns the mean loss of each epoch.
+
+    The output starts at the mean label (bias = its logit, small weights): labels sit near 0 when
+    drafts are rarely accepted, and a head started at r = 0.5 can overshoot into the flat tail
+    of the sigmoid, where MSE has no gradient left (seen on SmolLM2 at lr 1e-3: r ~ 1e-12
+    everywhere)."""
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     target = length_labels(train.accepted, block_size)
+    with torch.no_grad():
+        head.out.bias.fill_(float(torch.logit(target.mean().clamp(1e-3, 1 - 1e-3))))
+        head.out.weight.mul_(0.1)
     losses = []
     for _ in tqdm(range(epochs), desc="length head", unit="epoch"):
         order, total = torch.randperm(len(target), generator=g), 0.0
