@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -139,3 +140,22 @@ def test_training_pieces(tiny_targets):
         loss.backward()
         opt.step()
     assert loss.item() < first * 0.7
+
+
+def test_local_head_training_run_logs_every_step(tiny_dirs, tmp_path):
+    """The CLI's train(): a tiny run on a one-shard data folder writes its loss curve and the head."""
+    from specflash.training.data import MANIFEST, write_shard
+    from specflash.training.local_head import parse_args, train
+
+    data = tmp_path / "data"
+    data.mkdir()
+    samples = [Sample(list(range(3, 3 + 20)), 4, "code", "t", f"s{i}") for i in range(3)]
+    write_shard(data / "shard-00000.safetensors", samples, "generate")
+    (data / MANIFEST).write_text('{"shards": [{"file": "shard-00000.safetensors", "ids": ["s0", "s1", "s2"]}]}')
+    args = parse_args(["--model", str(tiny_dirs["llama"]), "--data", str(data), "--out", str(tmp_path / "run"),
+                       "--export", str(tmp_path / "head"), "--steps", "6", "--batch", "4", "--block-size", "4",
+                       "--hidden", "16", "--anchors-per-sample", "4"])
+    train(args)
+    log = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    assert log["losses"]["first_step"] == 0 and len(log["losses"]["loss"]) == 6
+    assert (tmp_path / "head" / "config.json").is_file()

@@ -48,6 +48,22 @@ class Draft:
     def empty(cls) -> "Draft":
         return cls(DraftTree((), ()))
 
+    def feed(self, root: int, start: int) -> tuple[list[int], torch.Tensor, list[int]]:
+        """What one verification forward feeds after the `start` cached tokens: the ids
+        [root, tree nodes..., lookahead tokens...] (T of them), which of them each row sees
+        (bool [T, T]; every row also sees the whole cached prefix) and their absolute positions.
+        Tree rows see the root and their ancestors; lookahead rows see what `lookahead.allow` says."""
+        tree, look = self.tree, self.lookahead
+        n = len(tree) + 1
+        a = len(look.tokens) if look is not None else 0
+        allow = torch.zeros(n + a, n + a, dtype=torch.bool)
+        allow[:n, :n] = tree.ancestor_mask()
+        positions = tree.position_ids(start)
+        if look is not None:
+            allow[n:] = look.allow
+            positions += [start + offset for offset in look.positions]
+        return [root, *tree.tokens, *(look.tokens if look is not None else [])], allow, positions
+
 
 class Drafter:
     """Base drafter: proposes nothing (which is plain autoregressive decoding)."""

@@ -53,6 +53,17 @@ class DraftForest:
         self.roots: list[DraftNode] = []
         self._uid = 0
 
+    @classmethod
+    def from_snapshot(cls, snapshot: dict[str, list[int]]) -> "DraftForest":
+        """The forest a trace's `snapshot()` was taken of (same tokens, same feed order), for
+        replaying a recorded step: e.g. its `lookahead()` mask. Predictions are not recorded."""
+        forest, nodes = cls(), []
+        for token, parent in zip(snapshot["tokens"], snapshot["parents"]):
+            node = forest.new_node(token)
+            (forest.roots if parent == -1 else nodes[parent].children).append(node)
+            nodes.append(node)
+        return forest
+
     def new_node(self, token: int) -> DraftNode:
         self._uid += 1
         return DraftNode(token, self._uid)

@@ -3,7 +3,8 @@
 Plain next-token prediction on the same anchored blocks DFlash trains on, decay-weighted, with
 no target forward at all (only the target's frozen embeddings and LM head), so it costs minutes
 where a drafter costs hours. Checkpoints (weights + optimizer + step) go to a cache folder and a
-restart resumes from the last one; `--export` writes the fp16 head that the `dels` method loads.
+restart resumes from the last one; `train_log.json` there holds the run's summary and its loss at
+every step; `--export` writes the fp16 head that the `dels` method loads.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def train(args: argparse.Namespace) -> Path:
         opt.load_state_dict(state["opt"])
         step = state["step"]
         print(f"resuming from step {step}", file=sys.stderr)
+    step_start = step
     rng = random.Random(args.seed + step)
     blocks = anchored_blocks(samples, args.block_size, args.anchors_per_sample, rng).to(target.device)
     log = []
@@ -105,7 +107,8 @@ def train(args: argparse.Namespace) -> Path:
         "final_loss": sum(log[-20:]) / max(len(log[-20:]), 1) if log else None,
         "tokens_trained": args.steps * args.batch * (args.block_size - 1),
     }
-    (out / "train_log.json").write_text(json.dumps({**summary, "args": vars(args)}, indent=2))
+    log_file = {**summary, "losses": {"first_step": step_start, "loss": log}, "args": vars(args)}
+    (out / "train_log.json").write_text(json.dumps(log_file, indent=2))
     if args.export:
         save_local_head(head, Path(args.export), extra={"training": summary})
     return out
