@@ -1,4 +1,5 @@
-"""Every tutorial notebook runs top to bottom with its small default parameters (slow)."""
+"""Every tutorial notebook follows the house conventions (fast) and runs top to bottom with its
+small default parameters (slow)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,22 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_conventions(path):
+    """Outputs stripped, one code cell tagged `parameters` (before any other code), specflash imported."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.get("outputs") for c in code), "commit notebooks without outputs"
+    tagged = [i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", [])]
+    assert tagged == [0], "the first code cell, and only it, is the parameters cell (tag it `parameters`)"
+    assert any("import specflash" in c.source or "from specflash" in c.source for c in code)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
