@@ -181,11 +181,5 @@ class Decoding:
         tree = draft.tree
         if draft.lookahead is None:
             return self.target.forward([root, *tree.tokens], cache, start, tree=None if tree.is_chain else tree)
-        # The draft tree's rows see the root and their ancestors; lookahead rows see what they allow.
-        look = draft.lookahead
-        n, a = len(tree) + 1, len(look.tokens)
-        allow = torch.zeros(n + a, n + a, dtype=torch.bool)
-        allow[:n, :n] = tree.ancestor_mask()
-        allow[n:] = look.allow
-        positions = tree.position_ids(start) + [start + offset for offset in look.positions]
-        return self.target.forward([root, *tree.tokens, *look.tokens], cache, start, allow=allow, positions=positions)
+        ids, allow, positions = draft.feed(root, start)
+        return self.target.forward(ids, cache, start, allow=allow, positions=positions)
