@@ -110,23 +110,34 @@ def read_shard(path: Path) -> list[Sample]:
     ]
 
 
-def _read_manifest(out: Path) -> dict | None:
+def read_manifest(out: Path) -> dict | None:
     path = out / MANIFEST
     if not path.is_file():
         return None
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _write_manifest(out: Path, manifest: dict) -> None:
+def write_manifest(out: Path, manifest: dict) -> None:
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     os.replace(tmp, out / MANIFEST)
 
 
+def append_shard(out: Path, manifest: dict, samples: Sequence[Sample], mode: str) -> Path:
+    """Write the next shard of a data folder, then list it in the manifest (in that order, so a
+    listed shard is always complete)."""
+    path = out / f"shard-{len(manifest['shards']):05d}.safetensors"
+    write_shard(path, samples, mode)
+    manifest["shards"].append({"file": path.name, "ids": [s.sample_id for s in samples],
+                               "tokens": sum(len(s.token_ids) for s in samples)})
+    write_manifest(out, manifest)
+    return path
+
+
 def load_shards(directory: Path | str) -> list[Sample]:
     """Every finished sample in a data folder, shard by shard as the manifest lists them."""
     directory = Path(directory)
-    manifest = _read_manifest(directory)
+    manifest = read_manifest(directory)
     if manifest is None:
         raise SpecFlashError(f"{directory} has no {MANIFEST}; make data with python -m specflash.training.data")
     return [s for shard in manifest["shards"] for s in read_shard(directory / shard["file"])]
@@ -228,7 +239,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def _start_manifest(out: Path, settings: dict) -> dict:
-    manifest = _read_manifest(out) or {**settings, "shards": []}
+    manifest = read_manifest(out) or {**settings, "shards": []}
     differ = {k: (manifest.get(k), v) for k, v in settings.items() if manifest.get(k) != v}
     if differ:
         raise SpecFlashError(f"{out} holds data made with other settings {differ}; pass another --out")
@@ -265,11 +276,7 @@ def run(args: argparse.Namespace) -> int:
             samples += made
             bar.update(len(made))
             bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - start):.1f}")
-        name = f"shard-{len(manifest['shards']):05d}.safetensors"
-        write_shard(out / name, samples, args.mode)
-        manifest["shards"].append({"file": name, "ids": [s.sample_id for s in samples],
-                                   "tokens": sum(len(s.token_ids) for s in samples)})
-        _write_manifest(out, manifest)
+        append_shard(out, manifest, samples, args.mode)
     bar.close()
     return len(todo)
 

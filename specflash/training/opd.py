@@ -32,7 +32,7 @@ from ..models.dflash import loss_weights
 from ..models.dflash_io import load_state, save_drafter
 from ..models.target import TargetModel
 from ..prompts import training_prompts
-from .data import Sample, _read_manifest, _write_manifest, read_shard, write_shard
+from .data import Sample, append_shard, read_manifest, read_shard
 from .dflash import CHECKPOINT, TRAINER_STATE, save_checkpoint
 from .dflash_features import shard_features
 from .entry import run_script
@@ -76,7 +76,7 @@ def round_data(args: argparse.Namespace, target: TargetModel, round_index: int) 
 
     out = data_folder(args, target) / f"round-{round_index:03d}"
     out.mkdir(parents=True, exist_ok=True)
-    manifest = _read_manifest(out) or {"shards": []}
+    manifest = read_manifest(out) or {"shards": []}
     done = {sid for shard in manifest["shards"] for sid in shard["ids"]}
     todo = [p for p in round_prompts(round_index, args.prompts_per_round, args.seed) if f"{p.id}-r{round_index}" not in done]
     sampling = SamplingConfig(temperature=args.gen_temperature, seed=args.seed + round_index)
@@ -88,11 +88,7 @@ def round_data(args: argparse.Namespace, target: TargetModel, round_index: int) 
                                 sampling=sampling, drafter=drafter)
         samples = [Sample(ids + run.output_ids, len(ids), p.domain, f"opd-round-{round_index}", f"{p.id}-r{round_index}")
                    for p, ids, run in zip(batch, prompts, result.runs)]
-        name = f"shard-{len(manifest['shards']):05d}.safetensors"
-        write_shard(out / name, samples, "generate")
-        manifest["shards"].append({"file": name, "ids": [s.sample_id for s in samples],
-                                   "tokens": sum(len(s.token_ids) for s in samples)})
-        _write_manifest(out, manifest)
+        append_shard(out, manifest, samples, "generate")
     return [(out / s["file"], read_shard(out / s["file"])) for s in manifest["shards"]]
 
 
