@@ -101,13 +101,18 @@ class BatchDFlash(BatchDrafter):
         for i, (k, v) in enumerate(zip(self.cache.keys, self.cache.values)):
             self.cache.keys[i], self.cache.values[i] = gather_slots(k, index), gather_slots(v, index)
 
+    def block_probs(self, roots: list[int], root_pos: list[int], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward for every row: block hidden states [B, L, H] and the draft
+        distributions of the first max(ks) slots [B, K, V]."""
+        hidden = self.block_hidden(roots, root_pos)
+        return hidden, torch.softmax(self.model.logits(hidden[:, 1 : max(ks) + 1]).float(), dim=-1)
+
     @torch.inference_mode()
     def propose(self, roots: list[int], root_pos: list[int], max_lens: list[int]) -> list[Draft]:
         ks = [min(self.single.draft_len, m) for m in max_lens]
         if max(ks) <= 0:
             return [Draft.empty() for _ in roots]
-        hidden = self.block_hidden(roots, root_pos)  # [B, L, H]
-        best = torch.softmax(self.model.logits(hidden[:, 1 : max(ks) + 1]).float(), dim=-1).max(dim=-1)  # [B, K]
+        best = self.block_probs(roots, root_pos, ks)[1].max(dim=-1)  # [B, K]
         return [self._draft(best.indices[b, :k].tolist(), best.values[b, :k].tolist()) for b, k in enumerate(ks)]
 
     def _draft(self, tokens: list[int], q: list[float]) -> Draft:
@@ -154,8 +159,7 @@ class BatchAdaFlash(BatchDFlash):
         ks = [min(self.single.draft_len, m) for m in max_lens]
         if max(ks) <= 0:
             return [Draft.empty() for _ in roots]
-        hidden = self.block_hidden(roots, root_pos)  # [B, L, H]
-        probs = torch.softmax(self.model.logits(hidden[:, 1 : max(ks) + 1]).float(), dim=-1)  # [B, K, V]
+        hidden, probs = self.block_probs(roots, root_pos, ks)  # [B, L, H], [B, K, V]
         scores = self.head(hidden).tolist() if self.head is not None else [None] * len(roots)  # r [B]
         keeps = self._cuts([probs[b, :k] for b, k in enumerate(ks)], scores)
         verify = max(keeps)  # T - 1: every row verifies this many, or all it drafted if fewer

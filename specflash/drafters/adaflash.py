@@ -71,15 +71,16 @@ class AdaFlashConfig(DFlashConfig):
         return self.rule == "head" or (self.rule == "cost" and self.estimate == "head")
 
 
-def acceptance_estimate(probs: torch.Tensor, cfg: AdaFlashConfig, score: float | None, block_size: int) -> list[float]:
+def acceptance_estimate(probs: torch.Tensor, cfg: AdaFlashConfig, score: float | None,
+                        block_size: int | None) -> list[float]:
     """Per drafted position, the chance it is accepted given the ones before it, as the cost rule
     reads it: the draft's own confidence (scaled by `rate`), or, with estimate "head", the head's
     predicted run A = r * L * rate - 1 spread as certain acceptance up to floor(A) and the
     fractional rest at the next position (so the expected run is exactly A)."""
     k = probs.shape[0]
     if cfg.estimate == "head":
-        if score is None:
-            raise MethodConfigError("estimate 'head' needs the length head's score")
+        if score is None or block_size is None:
+            raise MethodConfigError("estimate 'head' needs the length head's score and the block size")
         run = max(0.0, score * block_size * cfg.rate - 1)
         whole = int(run)
         return [1.0 if j < whole else run - whole if j == whole else 0.0 for j in range(k)]
@@ -107,7 +108,7 @@ def cut_length(
     if rule == "entropy":
         entropy = (-(probs * probs.clamp_min(1e-12).log()).sum(dim=-1)).tolist()
         return next((i for i, h in enumerate(entropy) if h > cfg.threshold), k)
-    return best_cut(acceptance_estimate(probs, cfg, score, block_size or k + 1), cost)
+    return best_cut(acceptance_estimate(probs, cfg, score, block_size), cost)
 
 
 class AdaFlashDrafter(DFlashEngineDrafter):
