@@ -28,12 +28,14 @@ def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_
                          max_new_tokens: int = 64, method: str = "dflash") -> dict[str, Any]:
     """{"domains": {domain: mean acceptance length}, "mean", "std", "range", "outputs": ids per prompt}."""
     from ..api import encode_prompt, generate_batch
+    from ..drafters import build_drafter
 
+    single = build_drafter(method, target, None, drafter)  # loaded once, shared by every domain's batch
     by_domain, outputs = {}, {}
     for domain in domains:
         prompts = heldout_prompts(domain)[:per_domain]
         result = generate_batch(target, [encode_prompt(target, p.text) for p in prompts], method=method,
-                                max_new_tokens=max_new_tokens, drafter=drafter)
+                                max_new_tokens=max_new_tokens, drafter=single)
         steps = [s for run in result.runs for s in decode_steps(run)]
         by_domain[domain] = sum(len(s.committed) for s in steps) / max(1, len(steps))
         outputs.update({p.id: run.output_ids for p, run in zip(prompts, result.runs)})
