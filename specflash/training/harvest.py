@@ -1,0 +1,249 @@
+"""Drafter data at scale: the target answers many requests greedily, in large batches with its KV
+cache, and the hidden features a DFlash drafter reads are captured during that same generation.
+
+Why: a drafter learns to predict the *target*, so its data is the target's own greedy answers,
+and its inputs are the target's hidden states at every position. Capturing them while generating
+(forward hooks on the chosen layers, at the prefill and at every decode step) saves the second
+teacher-forced pass over each sequence that `dflash_features.py` would otherwise need.
+
+Rows are left-padded prompts; a row that emits EOS leaves the batch (its cache rows are dropped),
+so long answers never pay for finished ones. Labels are the float32 model's argmax under batched
+numerics: on a near-tie the batched argmax can differ from a batch-1 greedy run (the data card
+gives the measured agreement). The job list (sources, order, ids) depends only on the seed and
+the recipe; `--limit` grows a folder, and a rerun resumes at the first sample not yet written.
+
+Each shard is a generate-mode shard of data.py plus `<shard>.features.safetensors`: float16
+features [tokens - 1 per sample, n_layers * H] and the layer ids in its metadata.
+
+    python -m specflash.training.harvest --model PATH [--layers 1,14,27,29] [--limit N] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from ..errors import SpecFlashError
+from ..prompts import training_prompts
+from . import sources, task_sources
+from .data import Sample, _eos_ids, _start_manifest, append_shard, encode_prompt, load_target
+from .entry import run_script
+from .sources import Job
+
+RECIPE_SOURCES: tuple[str, ...] = ("prompts", "code-tasks", "writing-tasks", "rewrite-tasks", "stdlib",
+                                   "shakespeare", "arithmetic")
+FEATURES_SUFFIX = ".features.safetensors"
+
+
+def recipe_jobs(seed: int, per_source: int, names: Sequence[str], cache: Path) -> list[Job]:
+    """Every job of the recipe, interleaved round-robin across sources so any prefix mixes them."""
+    makers = {
+        "prompts": lambda: [Job(p.id, p.domain, "prompts", p.text) for p in training_prompts()],
+        "code-tasks": lambda: task_sources.code_task_jobs(per_source, seed),
+        "writing-tasks": lambda: task_sources.writing_task_jobs(per_source, seed),
+        "rewrite-tasks": lambda: task_sources.rewrite_task_jobs(per_source, seed),
+        "stdlib": lambda: sources.stdlib_jobs(per_source, seed),
+        "shakespeare": lambda: sources.shakespeare_jobs(per_source, seed, cache),
+        "arithmetic": lambda: sources.arithmetic_jobs(per_source, seed),
+    }
+    unknown = [n for n in names if n not in makers]
+    if unknown:
+        raise SpecFlashError(f"unknown source(s) {', '.join(unknown)}; choose from {', '.join(makers)}")
+    lists = [makers[n]() for n in names]
+    longest = max((len(jobs) for jobs in lists), default=0)
+    return [jobs[i] for i in range(longest) for jobs in lists if i < len(jobs)]
+
+
+def features_path(shard: Path) -> Path:
+    return shard.with_name(shard.name.removesuffix(".safetensors") + FEATURES_SUFFIX)
+
+
+@dataclass
+class _Rows:
+    """The rows still generating: their index into the batch, answer so far, captured features."""
+
+    index: list[int]
+    answers: list[list[int]]
+    features: list[list[torch.Tensor]]  # per row, chunks [t, n_layers*H] float16
+
+
+class _Hooks:
+    """Forward hooks that keep the latest output of each chosen decoder layer."""
+
+    def __init__(self, layers: torch.nn.ModuleList, ids: Sequence[int]) -> None:
+        self.ids, self.out = tuple(ids), {}
+        self.handles = [layers[i].register_forward_hook(self._save(i)) for i in self.ids]
+
+    def _save(self, i: int):
+        def hook(_module, _inputs, output):
+            self.out[i] = (output[0] if isinstance(output, tuple) else output).detach()
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """[B, T, n_layers*H] float16 of the last forward."""
+        return torch.cat([self.out[i] for i in self.ids], dim=-1).to(torch.float16)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job], max_new_tokens: int
+                           ) -> list[tuple[Sample, torch.Tensor]]:
+    """Greedy answers to a batch of requests with the hooked features of every fed position:
+    per job (Sample of prompt + answer, features [len(tokens) - 1, n_layers*H])."""
+    prompts = [encode_prompt(tokenizer, job.text) for job in jobs]
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    width, device = max(map(len, prompts)), model.device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, W]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    feats = hooks.take()
+    rows = _Rows(list(range(len(jobs))), [[] for _ in jobs], [[feats[b, width - len(p):]] for b, p in enumerate(prompts)])
+    done: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+    nxt = out.logits[:, -1].argmax(-1)  # [B]
+    for step in range(max_new_tokens):
+        keep = []
+        for r, token in enumerate(nxt.tolist()):
+            rows.answers[r].append(token)
+            if token in eos or step == max_new_tokens - 1:
+                done[rows.index[r]] = (rows.answers[r], rows.features[r])
+            else:
+                keep.append(r)
+        if not keep:
+            break
+        if len(keep) < len(rows.index):  # finished rows leave the batch and its cache
+            sel = torch.tensor(keep, device=device)
+            cache.batch_select_indices(sel)
+            mask, positions, nxt = mask[sel], positions[sel], nxt[sel]
+            rows = _Rows([rows.index[r] for r in keep], [rows.answers[r] for r in keep], [rows.features[r] for r in keep])
+        mask = torch.cat([mask, mask.new_ones(len(keep), 1)], dim=-1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        feats = hooks.take()  # [B', 1, F]
+        for r in range(len(keep)):
+            rows.features[r].append(feats[r])
+        nxt = out.logits[:, -1].argmax(-1)
+    made = []
+    for b, (job, prompt) in enumerate(zip(jobs, prompts)):
+        answer, chunks = done[b]
+        sample = Sample(prompt + answer, len(prompt), job.domain, job.source, job.sample_id)
+        made.append((sample, torch.cat(chunks)))  # the last answer token was never fed
+    return made
+
+
+def write_features(shard: Path, features: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> None:
+    offsets = torch.tensor([0] + [len(f) for f in features], dtype=torch.int64).cumsum(0)
+    path = features_path(shard)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"features": torch.cat(list(features)).contiguous(), "offsets": offsets}, str(tmp),
+              metadata={"layer_ids": json.dumps(list(layer_ids))})
+    os.replace(tmp, path)
+
+
+def default_out(model_path: Path, settings: dict) -> Path:
+    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    return Path(platformdirs.user_cache_dir("specflash")) / "data" / model_path.resolve().name / f"harvest-{key}"
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """What must match for a folder to be resumed rather than mixed with other data."""
+    return {"format": 1, "model": args.model.resolve().name, "mode": "generate", "harvest": True, "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "layer_ids": list(args.layers), "sources": list(args.sources),
+            "per_source": args.per_source}
+
+
+def harvest(args: argparse.Namespace) -> dict:
+    """Make the missing samples of the first `--limit` jobs, shard by shard."""
+    settings = _settings(args)
+    out = args.out or default_out(args.model, settings)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = _start_manifest(out, settings)
+    cache = Path(platformdirs.user_cache_dir("specflash")) / "corpora"
+    jobs = recipe_jobs(args.seed, args.per_source, args.sources, cache)[: args.limit]
+    done = {sid for shard in manifest["shards"] for sid in shard["ids"]}
+    todo = [job for job in jobs if job.sample_id not in done]
+    report = {"out": str(out), "made": 0, "tokens": 0, "seconds": 0.0}
+    if not todo:
+        return report
+    model, tokenizer = load_target(args.model, args.device, torch.float32)
+    bad = [i for i in args.layers if not 0 <= i < model.config.num_hidden_layers]
+    if bad:
+        raise SpecFlashError(f"--layers {bad} out of range: the target has {model.config.num_hidden_layers} layers")
+    hooks = _Hooks(model.get_decoder().layers, args.layers)
+    bar = tqdm(total=len(todo), unit="sample", desc=f"harvest {args.model.name}")
+    start = time.perf_counter()
+    for i in range(0, len(todo), args.shard_size):
+        shard_jobs = todo[i : i + args.shard_size]
+        # similar prompt lengths share a batch (less padding); the shard keeps the recipe's order
+        by_len = sorted(shard_jobs, key=lambda j: len(j.text))
+        made: dict[str, tuple[Sample, torch.Tensor]] = {}
+        for b in range(0, len(by_len), args.batch_size):
+            for sample, feats in generate_with_features(model, tokenizer, hooks, by_len[b : b + args.batch_size],
+                                                        args.max_new_tokens):
+                made[sample.sample_id] = (sample, feats)
+                report["tokens"] += len(sample.token_ids) - sample.prompt_len
+            bar.update(min(args.batch_size, len(by_len) - b))
+            bar.set_postfix(tok_s=f"{report['tokens'] / (time.perf_counter() - start):.0f}")
+        ordered = [made[j.sample_id] for j in shard_jobs]
+        shard = out / f"shard-{len(manifest['shards']):05d}.safetensors"
+        write_features(shard, [f for _, f in ordered], args.layers)  # before the manifest lists the shard
+        append_shard(out, manifest, [s for s, _ in ordered], "generate")
+        report["made"] += len(ordered)
+    hooks.remove()
+    bar.close()
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specflash.training.harvest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True, help="local Hugging Face folder of the target")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: per-user cache, keyed by recipe)")
+    p.add_argument("--layers", type=_ints, default=[1, 14, 27, 29], help="decoder layers whose outputs are kept")
+    p.add_argument("--sources", type=lambda s: [x for x in s.split(",") if x], default=list(RECIPE_SOURCES))
+    p.add_argument("--per-source", type=int, default=2000, help="jobs per templated or text source")
+    p.add_argument("--limit", type=int, default=None, help="only the first N jobs of the recipe")
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--shard-size", type=int, default=256)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for flag in ("per_source", "max_new_tokens", "batch_size", "shard_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.layers:
+        p.error("--layers needs at least one layer id")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(parse_args(argv), harvest,
+                      lambda r: f"made {r['made']} samples, {r['tokens']} answer tokens in {r['seconds']:.0f} s -> {r['out']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
