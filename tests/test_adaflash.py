@@ -30,7 +30,7 @@ FLAT = [1.0] * 16
 @pytest.mark.parametrize("rule", RULES)
 def test_every_rule_is_lossless(tiny_targets, arch, rule):
     target = tiny_targets[arch]
-    cfg = AdaFlashConfig(rule=rule, threshold=0.3 if rule == "confidence" else 2.0, fixed_len=2)
+    cfg = AdaFlashConfig(gate=False, rule=rule, threshold=0.3 if rule == "confidence" else 2.0, fixed_len=2)
     model = random_drafter(target, block=8, feature_layers=(0, 1))
     drafter = AdaFlashDrafter(model, cfg, STEEP[:8], random_head(target.hidden_size, seed=1))
     ids = target.tokenizer("The quick brown fox jumps over the lazy dog. The quick brown").input_ids
@@ -74,15 +74,15 @@ def test_cost_rule_verifies_less_than_dflash(tiny_targets):
     target = tiny_targets["qwen3"]
     model = random_drafter(target, block=8, feature_layers=(1,))
     ids = target.tokenizer("def add(a, b):").input_ids
-    full = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig()), max_new_tokens=30)
-    cut = generate(target, ids, drafter=AdaFlashDrafter(model, AdaFlashConfig(), STEEP[:8]), max_new_tokens=30)
+    full = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False)), max_new_tokens=30)
+    cut = generate(target, ids, drafter=AdaFlashDrafter(model, AdaFlashConfig(gate=False), STEEP[:8]), max_new_tokens=30)
     assert cut.output_ids == full.output_ids
     assert cut.metrics["verified_per_committed"] < full.metrics["verified_per_committed"]
 
 
 def test_heuristic_window_follows_acceptance(tiny_targets):
     target = tiny_targets["llama"]
-    drafter = AdaFlashDrafter(random_drafter(target, block=8), AdaFlashConfig(rule="heuristic", fixed_len=3))
+    drafter = AdaFlashDrafter(random_drafter(target, block=8), AdaFlashConfig(gate=False, rule="heuristic", fixed_len=3))
     ids = target.tokenizer("def add(a, b):").input_ids
     run = generate(target, ids, drafter=drafter, max_new_tokens=30, stop_on_eos=False)
     window = 3
@@ -111,7 +111,7 @@ def test_verify_len_follows_adaflash_rule():
 @pytest.mark.parametrize("bias,expected", [(-20.0, 0), (20.0, 7)])
 def test_head_rule_cuts_where_the_head_says(tiny_targets, bias, expected):
     target = tiny_targets["qwen3"]
-    drafter = AdaFlashDrafter(random_drafter(target, block=8, feature_layers=(1,)), AdaFlashConfig(rule="head", min_len=1),
+    drafter = AdaFlashDrafter(random_drafter(target, block=8, feature_layers=(1,)), AdaFlashConfig(gate=False, rule="head", min_len=1),
                               head=random_head(target.hidden_size, bias=bias))
     ids = target.tokenizer("def add(a, b):").input_ids
     run = generate(target, ids, drafter=drafter, max_new_tokens=12, stop_on_eos=False)

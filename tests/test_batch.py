@@ -47,14 +47,14 @@ def single_drafter(target, variant: str, model=None) -> Drafter:
         return Drafter()
     model = model or random_drafter(target, block=8, feature_layers=(0, 1))
     if method == "dflash":
-        return DFlashEngineDrafter(model, DFlashConfig())
+        return DFlashEngineDrafter(model, DFlashConfig(gate=False))
     head = None
     if rule == "head":
         from specflash.models.length_head import LengthHead
 
         torch.manual_seed(0)
         head = LengthHead(model.spec.hidden_size, bottleneck=16)
-    cfg = AdaFlashConfig(rule=rule, threshold=0.3 if rule == "confidence" else 2.0, fixed_len=2)
+    cfg = AdaFlashConfig(gate=False, rule=rule, threshold=0.3 if rule == "confidence" else 2.0, fixed_len=2)
     return AdaFlashDrafter(model, cfg, STEEP[:8], head)
 
 

@@ -35,7 +35,7 @@ def random_head(target, seed=0, hidden=32, std=0.3):
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
 def test_dels_greedy_equals_transformers(tiny_targets, arch):
     target = tiny_targets[arch]
-    drafter = DeLSDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), DeLSConfig(alpha=0.7, beta=0.3),
+    drafter = DeLSDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), DeLSConfig(gate=False, alpha=0.7, beta=0.3),
                           random_head(target))
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt).input_ids
@@ -50,8 +50,8 @@ def test_zero_alpha_beta_is_exactly_dflash(tiny_targets):
     target = tiny_targets["qwen3"]
     model = random_drafter(target, block=8, feature_layers=(1,))
     ids = target.tokenizer(PROMPTS[1]).input_ids
-    base = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig()), max_new_tokens=30)
-    dels = generate(target, ids, drafter=DeLSDrafter(model, DeLSConfig(alpha=0.0, beta=0.0), random_head(target)),
+    base = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False)), max_new_tokens=30)
+    dels = generate(target, ids, drafter=DeLSDrafter(model, DeLSConfig(gate=False, alpha=0.0, beta=0.0), random_head(target)),
                     max_new_tokens=30)
     assert [s.tokens for s in dels.steps] == [s.tokens for s in base.steps]
     assert not any(f for s in dels.steps[1:] if s.tokens for f in s.extras["dels"]["flipped"])
@@ -63,14 +63,14 @@ def test_one_local_head_serves_two_dflash_drafters(tiny_targets):
     ids = target.tokenizer(PROMPTS[0]).input_ids
     for drafter in (random_drafter(target, seed=1, block=4, feature_layers=(1,)),
                     random_drafter(target, seed=2, layers=2, block=16, feature_layers=(0, 1, 1))):
-        run = generate(target, ids, drafter=DeLSDrafter(drafter, DeLSConfig(alpha=0.5), head), max_new_tokens=20,
+        run = generate(target, ids, drafter=DeLSDrafter(drafter, DeLSConfig(gate=False, alpha=0.5), head), max_new_tokens=20,
                        stop_on_eos=False)
         assert run.output_ids == hf_greedy(target, ids, 20)
 
 
 def test_dels_sampling_is_reproducible(tiny_targets):
     target = tiny_targets["qwen2"]
-    drafter = DeLSDrafter(random_drafter(target, block=4), DeLSConfig(), random_head(target))
+    drafter = DeLSDrafter(random_drafter(target, block=4), DeLSConfig(gate=False), random_head(target))
     ids = target.tokenizer(PROMPTS[0]).input_ids
     cfg = SamplingConfig(temperature=0.9, top_p=0.95, seed=5)
     a, b = (generate(target, ids, drafter=drafter, max_new_tokens=24, sampling=cfg).output_ids for _ in range(2))

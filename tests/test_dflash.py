@@ -56,7 +56,7 @@ def test_default_target_layers_follow_z_lab():
 def test_greedy_equals_transformers(tiny_targets, arch, layers, block, features):
     target = tiny_targets[arch]
     drafter = DFlashEngineDrafter(random_drafter(target, layers=layers, block=block, feature_layers=features),
-                                  DFlashConfig())
+                                  DFlashConfig(gate=False))
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt).input_ids
         run = generate(target, ids, "dflash", drafter=drafter, max_new_tokens=37, stop_on_eos=False)
@@ -74,7 +74,7 @@ def test_greedy_with_accepted_drafts(tiny_targets):
     reference = hf_greedy(target, ids, 60)
     model = random_drafter(target, std=0.02, block=4, feature_layers=(0, 1)).train()
     _fit(target, model, ids + reference, len(ids), steps=60)
-    run = generate(target, ids, "dflash", drafter=DFlashEngineDrafter(model.eval(), DFlashConfig()),
+    run = generate(target, ids, "dflash", drafter=DFlashEngineDrafter(model.eval(), DFlashConfig(gate=False)),
                    max_new_tokens=60, stop_on_eos=False)
     assert run.output_ids == reference
     assert sum(len(s.accepted) for s in run.steps) > 0
@@ -103,7 +103,7 @@ def _fit(target, model, token_ids, prompt_len, steps):
 
 def test_sampling_runs_and_is_reproducible(tiny_targets):
     target = tiny_targets["llama"]
-    drafter = DFlashEngineDrafter(random_drafter(target, block=8), DFlashConfig())
+    drafter = DFlashEngineDrafter(random_drafter(target, block=8), DFlashConfig(gate=False))
     sampling = SamplingConfig(temperature=0.8, seed=11)
     runs = [generate(target, PROMPTS[2], "dflash", drafter=drafter, sampling=sampling, max_new_tokens=30,
                      stop_on_eos=False) for _ in range(2)]
@@ -114,7 +114,7 @@ def test_sampling_runs_and_is_reproducible(tiny_targets):
 
 def test_max_len_zero_and_max_draft(tiny_targets):
     target = tiny_targets["llama"]
-    drafter = DFlashEngineDrafter(random_drafter(target, block=8), DFlashConfig(max_draft=3))
+    drafter = DFlashEngineDrafter(random_drafter(target, block=8), DFlashConfig(gate=False, max_draft=3))
     drafter.begin([1, 2, 3], SamplingConfig(), None)
     assert drafter.propose([1, 2, 3], 0).tree.tokens == ()
     drafter.observe(_features(target, drafter.model, [1, 2]))

@@ -65,7 +65,7 @@ def test_cuda_batched_rows_equal_their_own_greedy(cuda_targets, method):
     texts = ["The quick brown fox", "def add(a, b):", "Once upon a time there was a"]
     prompts = [target.tokenizer(t).input_ids for t in texts]
     model = random_drafter(target, block=8, feature_layers=(1,))
-    drafter = {"ar": Drafter(), "dflash": DFlashEngineDrafter(model, DFlashConfig()),
-               "adaflash": AdaFlashDrafter(model, AdaFlashConfig(rule="fixed", fixed_len=2))}[method]
+    drafter = {"ar": Drafter(), "dflash": DFlashEngineDrafter(model, DFlashConfig(gate=False)),
+               "adaflash": AdaFlashDrafter(model, AdaFlashConfig(gate=False, rule="fixed", fixed_len=2))}[method]
     batch = generate_batch(target, prompts, method=method, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
     assert [run.output_ids for run in batch.runs] == [hf_greedy(target, ids, 24) for ids in prompts]

@@ -18,9 +18,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specflash.config import DraftModelConfig, PromptLookupConfig, SamplingConfig
 from specflash.drafters.base import Draft, Drafter
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
 from specflash.engine import Decoding
+from specflash.models.dflash import DFlashSpec
+from specflash.models.dflash_io import new_drafter
 from specflash.models.target import TargetModel
 from specflash.sampling import probabilities
 from specflash.tree import DraftTree
@@ -73,6 +76,16 @@ class TwoBranchDrafter(Drafter):
         return Draft(DraftTree((a, b, (a + 1) % V, (b + 2) % V), (-1, -1, 0, 1)))
 
 
+def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool) -> DFlashEngineDrafter:
+    """A random DFlash drafter over the 8-token vocabulary, optionally with a reduced draft
+    vocabulary and the draft gate (a flat verify cost, so the gate keeps drafting)."""
+    spec = DFlashSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                      vocab_size=V, block_size=3, num_target_layers=1, target_layer_ids=(0,), mask_token_id=V - 1)
+    model = new_drafter(spec, target, None if draft_ids is None else torch.tensor(draft_ids))
+    model.init_weights(torch.Generator().manual_seed(3), std=0.5)
+    return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=gate), [1.0] * 4 if gate else None)
+
+
 def _methods(target):
     other = _model(1)
     return {
@@ -81,6 +94,8 @@ def _methods(target):
         "draft-self": lambda: DraftModelDrafter(target.model, DraftModelConfig(k=2), V),
         "pld": lambda: PromptLookupDrafter(PromptLookupConfig(k=2, max_ngram=2)),
         "tree": lambda: TwoBranchDrafter(),
+        "dflash-d2t": lambda: _dflash(target, [0, 2, 3, 5], gate=False),
+        "dflash-gated": lambda: _dflash(target, None, gate=True),
     }
 
 
@@ -88,7 +103,7 @@ def _tv(counts: dict, exact: dict, n: int) -> float:
     return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
 
 
-@pytest.mark.parametrize("method", ["ar", "draft", "draft-self", "pld", "tree"])
+@pytest.mark.parametrize("method", ["ar", "draft", "draft-self", "pld", "tree", "dflash-d2t", "dflash-gated"])
 def test_sampled_output_follows_target(target, method):
     exact = _exact(target)
     joint23: dict = {}

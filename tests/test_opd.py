@@ -106,7 +106,7 @@ def test_opd_rounds_resume_and_share_data(opd_run, tiny_dirs, tiny_targets):
     assert len(list((tmp / "data").iterdir())) == 1  # SFT trained on the same answers
     trained = load_drafter(tmp / "run-opd" / "export", target)
     ids = target.tokenizer("def add(a, b):").input_ids
-    run = generate(target, ids, drafter=DFlashEngineDrafter(trained, DFlashConfig()), max_new_tokens=16, stop_on_eos=False)
+    run = generate(target, ids, drafter=DFlashEngineDrafter(trained, DFlashConfig(gate=False)), max_new_tokens=16, stop_on_eos=False)
     assert run.output_ids == hf_greedy(target, ids, 16)
 
 

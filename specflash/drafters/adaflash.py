@@ -24,6 +24,7 @@ temperature 0 it follows from the finished run alone (`annotate_cuts`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -116,11 +117,10 @@ class AdaFlashDrafter(DFlashEngineDrafter):
 
     def __init__(self, model, cfg: AdaFlashConfig, cost: list[float] | None = None,
                  head: LengthHead | None = None) -> None:
-        super().__init__(model, cfg)
+        super().__init__(model, cfg, cost)
         if cfg.needs_head and head is None:
             raise CheckpointError(f"rule {cfg.rule!r} with estimate {cfg.estimate!r} needs a drafter folder with a "
                                   "trained length head (python -m specflash.training.length_head); this one has none")
-        self.cost = cost
         self.head = None if head is None else head.to(self.device).eval()
         self.window = cfg.fixed_len
 
@@ -130,9 +130,10 @@ class AdaFlashDrafter(DFlashEngineDrafter):
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_len: int) -> Draft:
-        k = min(self.draft_len, max_len)
+        started = time.perf_counter()
+        k, decision = self.step_width(max_len)
         if k <= 0:
-            return Draft.empty()
+            return self.gated(Draft.empty(), decision, started)
         hidden = self.block_hidden(context)  # [L, H]
         probs = torch.softmax(self.model.logits(hidden[1 : k + 1]).float(), dim=-1)  # [k, V], the full block
         best = probs.max(dim=-1)
@@ -141,7 +142,7 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         L = self.spec.block_size
         cut = cut_length(self.cfg.rule, probs, self.cfg, self.cost, self.window, score, L)
         keep = max(min(cut, k), 0 if self.cfg.rule == "head" else min(self.cfg.min_len, k))
-        return Draft(
+        draft = Draft(
             DraftTree.chain(tokens[:keep]),
             q=None,
             q_token=best.values.tolist()[:keep],
@@ -151,8 +152,10 @@ class AdaFlashDrafter(DFlashEngineDrafter):
                              "cut_q": best.values.tolist()[keep:]},
             },
         )
+        return self.gated(draft, decision, started)
 
     def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
+        super().verified(draft, logits, path, committed)
         if self.cfg.rule == "heuristic" and len(draft.tree):
             self.window = self.window + 2 if len(path) == len(draft.tree) else max(1, self.window - 1)
 
@@ -169,7 +172,7 @@ def build(target, cfg: AdaFlashConfig, drafter: str | None, cache_dir: Path | No
     model = load_dflash_model(target, drafter, "adaflash")
     head = load_length_head(drafter_folder(str(drafter)), model.spec.hidden_size)
     cost = None
-    if cfg.rule == "cost":
+    if cfg.rule == "cost" or cfg.gate:
         cost = cached_verify_cost(target, model.spec.block_size, cache_dir or default_cache_dir())
     return AdaFlashDrafter(model, cfg, cost, head)
 

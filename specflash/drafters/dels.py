@@ -13,6 +13,7 @@ engine's verification keeps the method lossless at every temperature.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ..errors import MethodConfigError
 from ..models.local_head import LocalHead, load_local_head
 from ..tree import DraftTree
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter, load_dflash_model
+from .dflash import DFlashConfig, DFlashEngineDrafter, gate_cost, load_dflash_model
 
 _TOP = 3  # alternatives kept in the trace per drafted token
 
@@ -77,23 +78,25 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
 class DeLSDrafter(DFlashEngineDrafter):
     name = "dels"
 
-    def __init__(self, model, cfg: DeLSConfig, head: LocalHead) -> None:
-        super().__init__(model, cfg)
+    def __init__(self, model, cfg: DeLSConfig, head: LocalHead, cost: list[float] | None = None) -> None:
+        super().__init__(model, cfg, cost)
         self.head = head.eval()
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_len: int) -> Draft:
-        k = min(self.draft_len, max_len)
+        started = time.perf_counter()
+        k, decision = self.step_width(max_len)
         if k <= 0:
-            return Draft.empty()
+            return self.gated(Draft.empty(), decision, started)
         long_logits = self.block_logits(context, k)  # [k, V]
         fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta)
-        return Draft(
+        draft = Draft(
             DraftTree.chain(fused["tokens"]),
             q=None,
             q_token=fused["q"],
             extras={"dflash": {"block_size": self.spec.block_size}, "dels": fused["trace"]},
         )
+        return self.gated(draft, decision, started)
 
     def config_dict(self) -> dict[str, Any]:
         return {**super().config_dict(), **asdict(self.cfg)}
@@ -110,7 +113,7 @@ def build(target, cfg: DeLSConfig, drafter: str | None, cache_dir: Path | None =
             "method 'dels' needs a local head: pass -o local_head=PATH (train one with "
             "python -m specflash.training.local_head)"
         )
-    return DeLSDrafter(model, cfg, load_local_head(location, target))
+    return DeLSDrafter(model, cfg, load_local_head(location, target), gate_cost(target, cfg, model.spec.block_size, cache_dir))
 
 
 def _preset_head(model_name: str, cache_dir: Path | None) -> str | None:

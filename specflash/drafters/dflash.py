@@ -11,6 +11,7 @@ The drafter's softmax probability of each drafted token goes into the trace.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,36 +22,50 @@ from ..errors import CheckpointError, MethodConfigError
 from ..models.dflash import DFlashCache, DFlashDrafter
 from ..tree import DraftTree
 from .base import Draft, Drafter
+from .gate import DraftGate, GateDecision
 
 
 @dataclass(frozen=True)
 class DFlashConfig:
     """DFlash: the checkpoint fixes the block size L; `max_draft` (None = L - 1) caps the number
-    of drafted tokens per step, e.g. to trade acceptance for cheaper verification."""
+    of drafted tokens per step, e.g. to trade acceptance for cheaper verification. `gate` lets the
+    draft gate (gate.py) shrink the draft, down to none, when recent acceptance does not pay for
+    drafting on this device; it probes again every `probe_every` steps or more."""
 
     max_draft: int | None = None
+    gate: bool = True
+    probe_every: int = 8
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
             not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or self.max_draft < 1
         ):
             raise MethodConfigError(f"max_draft must be an integer >= 1 or None, got {self.max_draft!r}")
+        if not isinstance(self.gate, bool):
+            raise MethodConfigError(f"gate must be true or false, got {self.gate!r}")
+        if not isinstance(self.probe_every, int) or isinstance(self.probe_every, bool) or self.probe_every < 1:
+            raise MethodConfigError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
 
 
 class DFlashEngineDrafter(Drafter):
     name = "dflash"
 
-    def __init__(self, model: DFlashDrafter, cfg: DFlashConfig) -> None:
+    def __init__(self, model: DFlashDrafter, cfg: DFlashConfig, cost: list[float] | None = None) -> None:
+        """`cost`: the device's verify-cost curve (verify_cost.py), which the draft gate needs."""
         self.model = model.eval()
         self.cfg = cfg
         self.spec = model.spec
         self.feature_layers = tuple(self.spec.target_layer_ids)
         self.device = next(model.parameters()).device
+        if cfg.gate and cost is None:
+            raise MethodConfigError("the draft gate needs the device's verify-cost curve; pass cost= or gate=False")
+        self.cost = cost
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
         self.cache = DFlashCache(self.spec.num_layers)
         self.pending: list[torch.Tensor] = []  # features [m, n_feat*H] not yet in the cache
+        self.gate = DraftGate(self.cost, self.draft_len, self.cfg.probe_every) if self.cfg.gate else None
 
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)
@@ -60,20 +75,42 @@ class DFlashEngineDrafter(Drafter):
         longest = self.spec.block_size - 1
         return longest if self.cfg.max_draft is None else min(longest, self.cfg.max_draft)
 
+    def step_width(self, max_len: int) -> tuple[int, GateDecision | None]:
+        """How many tokens to draft this step: the gate's width, or all that fit without it."""
+        k = min(self.draft_len, max_len)
+        if self.gate is None:
+            return k, None
+        self.gate.step_started()
+        decision = self.gate.decide(k)
+        return decision.width, decision
+
+    def gated(self, draft: Draft, decision: GateDecision | None, started: float) -> Draft:
+        """Tell the gate what drafting cost and record its decision in the draft's extras."""
+        if decision is not None:
+            self.gate.drafted(decision, time.perf_counter() - started if decision.width else 0.0)
+            draft.extras["gate"] = decision.to_dict()
+        return draft
+
+    def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
+        if self.gate is not None:
+            self.gate.verified(len(draft.tree), len(path))
+
     @torch.inference_mode()
     def propose(self, context: list[int], max_len: int) -> Draft:
-        k = min(self.draft_len, max_len)
+        started = time.perf_counter()
+        k, decision = self.step_width(max_len)
         if k <= 0:
-            return Draft.empty()
+            return self.gated(Draft.empty(), decision, started)
         # Slots 1..k of one block forward predict the next k tokens; propose their argmax as a chain.
         probs = torch.softmax(self.block_logits(context, k).float(), dim=-1)  # [k, V]
         best = probs.max(dim=-1)
-        return Draft(
+        draft = Draft(
             DraftTree.chain(best.indices.tolist()),
             q=None,
             q_token=best.values.tolist(),
             extras={"dflash": {"block_size": self.spec.block_size}},
         )
+        return self.gated(draft, decision, started)
 
     def block_logits(self, context: list[int], k: int) -> torch.Tensor:
         """DFlash's logits [k, V] for the k positions after the context, from one forward pass."""
@@ -129,7 +166,16 @@ def drafter_folder(drafter: str) -> Path:
 
 
 def build(target, cfg: DFlashConfig, drafter: str | None, cache_dir: Path | None = None) -> DFlashEngineDrafter:
-    return DFlashEngineDrafter(load_dflash_model(target, drafter, "dflash"), cfg)
+    model = load_dflash_model(target, drafter, "dflash")
+    return DFlashEngineDrafter(model, cfg, gate_cost(target, cfg, model.spec.block_size, cache_dir))
+
+
+def gate_cost(target, cfg: DFlashConfig, block_size: int, cache_dir: Path | None) -> list[float] | None:
+    """The verify-cost curve the gate reads (measured once per model and device, then cached)."""
+    from ..models.acquire import default_cache_dir
+    from ..verify_cost import cached_verify_cost
+
+    return cached_verify_cost(target, block_size, cache_dir or default_cache_dir()) if cfg.gate else None
 
 
 def load_dflash_model(target, drafter: str | None, method: str) -> DFlashDrafter:

@@ -184,9 +184,14 @@ class DFlashLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     """The drafter's own weights (fc, hidden_norm, layers, norm) plus the target's borrowed,
-    frozen embedding and LM head, which are kept out of parameters() and state_dict()."""
+    frozen embedding and LM head, which are kept out of parameters() and state_dict().
 
-    def __init__(self, spec: DFlashSpec, embed: nn.Module, lm_head: nn.Module) -> None:
+    With `draft_ids` (a reduced draft vocabulary: sorted target ids [N]), the head computes only
+    those N rows of the target's LM head and every other token gets logit -inf (q = 0), so
+    drafting costs N/V of the full head and verification stays exact."""
+
+    def __init__(self, spec: DFlashSpec, embed: nn.Module, lm_head: nn.Module,
+                 draft_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.spec = spec
         h = spec.hidden_size
@@ -196,6 +201,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, spec.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(spec.qwen3_config())
         self._borrowed = (embed, lm_head)  # a tuple: not registered as submodules
+        self.register_buffer("draft_ids", None if draft_ids is None else draft_ids.long(), persistent=False)
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """Qwen-style init: normal(0, std) linears, unit norms."""
@@ -210,12 +216,32 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] (already normed) -> target LM head logits [..., V], or only those of
-        the token ids in `vocab` [K] (a training shortcut: the head is most of a step's cost)."""
+        the token ids in `vocab` [K] (training: the head is most of a step's cost). With a draft
+        vocabulary and no `vocab`, logits [..., V] that are -inf outside it."""
         head = self._borrowed[1]
-        if vocab is None:
+        if vocab is None and self.draft_ids is None:
             return head(hidden)
-        bias = head.bias[vocab] if getattr(head, "bias", None) is not None else None
-        return F.linear(hidden, head.weight[vocab], bias)
+        if vocab is not None:
+            return self._rows(hidden, vocab)
+        full = hidden.new_full((*hidden.shape[:-1], head.weight.shape[0]), float("-inf"))
+        full[..., self.draft_ids] = self.draft_logits(hidden)
+        return full
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., N] over the draft vocabulary, from a copy of its head rows kept between
+        calls (the target's head is frozen; the copy follows its device and dtype)."""
+        weight = self._borrowed[1].weight
+        key = (weight.data_ptr(), weight.dtype, weight.device)
+        if getattr(self, "_draft_head", (None,))[0] != key:
+            self._draft_head = (key, weight[self.draft_ids].detach())
+        bias = getattr(self._borrowed[1], "bias", None)
+        return F.linear(hidden, self._draft_head[1], None if bias is None else bias[self.draft_ids])
+
+    def _rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [..., K] of the LM head rows `ids` [K]."""
+        head = self._borrowed[1]
+        bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
+        return F.linear(hidden, head.weight[ids], bias)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Concatenated target features [B, C, n_feat*H] -> context states [B, C, H]."""

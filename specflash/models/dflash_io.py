@@ -23,6 +23,7 @@ from .dflash import DFlashDrafter, DFlashSpec, default_target_layers
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+D2T_FILE = "d2t.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 _IGNORED_PREFIXES = ("thresh_head",)
 
@@ -85,15 +86,37 @@ def config_from_spec(spec: DFlashSpec, dtype: torch.dtype, extra: dict[str, Any]
     }
 
 
+def d2t_offsets(draft_ids: torch.Tensor) -> torch.Tensor:
+    """Sorted target ids [N] -> EAGLE-3 offsets d2t [N] (target id = draft id + d2t[draft id])."""
+    return draft_ids.long().cpu() - torch.arange(len(draft_ids))
+
+
+def draft_ids_from_d2t(d2t: torch.Tensor, vocab_size: int, name: str) -> torch.Tensor:
+    """The target ids [N] of a d2t map, checked: in the target's vocabulary and all distinct."""
+    ids = torch.arange(len(d2t)) + d2t.long()
+    if len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise DrafterMismatchError(f"{name}: its draft vocabulary maps outside the target's [0, {vocab_size})")
+    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise CheckpointError(f"{name}: {D2T_FILE} must map draft ids to increasing target ids (EAGLE-3 order)")
+    return ids
+
+
 def save_drafter(model: DFlashDrafter, folder: Path | str, dtype: torch.dtype = torch.float16,
                  extra: dict[str, Any] | None = None) -> Path:
-    """Write config.json + model.safetensors (own tensors only, in `dtype`) into `folder`."""
+    """Write config.json + model.safetensors (own tensors only, in `dtype`) into `folder`, and
+    d2t.safetensors when the drafter has a reduced draft vocabulary."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
     tmp = folder / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / WEIGHTS_FILE)
+    extra = dict(extra or {})
+    if model.draft_ids is not None:
+        save_file({"d2t": d2t_offsets(model.draft_ids)}, str(folder / D2T_FILE))
+        extra["draft_vocab_size"] = len(model.draft_ids)
+    else:
+        (folder / D2T_FILE).unlink(missing_ok=True)
     text = json.dumps(config_from_spec(model.spec, dtype, extra), indent=2) + "\n"
     (folder / CONFIG_FILE).write_text(text, encoding="utf-8")
     return folder
@@ -154,20 +177,38 @@ def load_drafter(folder: Path | str, target) -> DFlashDrafter:
     """A drafter from a z-lab-format folder, on the target's device and dtype, borrowing its
     embedding and LM head; raises CheckpointError or DrafterMismatchError."""
     folder = Path(folder)
-    spec = spec_from_config(read_config(folder))
+    config = read_config(folder)
+    spec = spec_from_config(config)
     check_fits(spec, target, str(folder))
     tensors = _read_weights(folder / WEIGHTS_FILE)
-    model = new_drafter(spec, target)
+    model = new_drafter(spec, target, read_draft_ids(folder, config, target.vocab_size))
     load_state(model, tensors, str(folder))
     return model.to(target.device, target.dtype).eval()
 
 
-def new_drafter(spec: DFlashSpec, target) -> DFlashDrafter:
-    """An untrained drafter on the target's device/dtype, with the target's frozen embedding and head."""
+def read_draft_ids(folder: Path, config: dict[str, Any], vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary of a drafter folder (None = the full vocabulary), checked against
+    config.json's `draft_vocab_size` and the target's vocabulary."""
+    path, size = folder / D2T_FILE, config.get("draft_vocab_size")
+    if not path.is_file():
+        if size is not None and int(size) != vocab_size:
+            raise CheckpointError(f"{folder}: config.json says draft_vocab_size {size} but {D2T_FILE} is missing")
+        return None
+    d2t = _read_weights(path).get("d2t")
+    if d2t is None or d2t.dim() != 1:
+        raise CheckpointError(f"{path}: expected one 1-D tensor named d2t")
+    if size is not None and int(size) != len(d2t):
+        raise CheckpointError(f"{path}: {len(d2t)} draft ids, config.json says draft_vocab_size {size}")
+    return draft_ids_from_d2t(d2t, vocab_size, str(folder))
+
+
+def new_drafter(spec: DFlashSpec, target, draft_ids: torch.Tensor | None = None) -> DFlashDrafter:
+    """An untrained drafter on the target's device/dtype, with the target's frozen embedding and
+    head (only the rows `draft_ids` of it when given)."""
     embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
     for p in (*embed.parameters(), *head.parameters()):
         p.requires_grad_(False)
-    return DFlashDrafter(spec, embed, head).to(target.device, target.dtype)
+    return DFlashDrafter(spec, embed, head, draft_ids).to(target.device, target.dtype)
 
 
 # Named special tokens that chat models never emit, tried in order when a tokenizer has no mask

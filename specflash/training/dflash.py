@@ -29,7 +29,9 @@ from tqdm import tqdm
 
 from ..errors import SpecFlashError
 from ..models.dflash import DFlashDrafter, DFlashSpec, default_target_layers, loss_weights
-from ..models.dflash_io import load_state, new_drafter, pick_mask_token, read_config, save_drafter, spec_from_config
+from ..models.dflash_io import (load_state, new_drafter, pick_mask_token, read_config, read_draft_ids, save_drafter,
+                                spec_from_config)
+from .dflash_init import init_from_target
 from ..models.target import TargetModel
 from .data import MANIFEST, load_target, read_shard
 from .dflash_features import shard_features
@@ -113,21 +115,33 @@ def save_checkpoint(out: Path, model: DFlashDrafter, opt: torch.optim.Optimizer,
 
 
 def init_or_resume(args, target: TargetModel, out: Path) -> tuple[DFlashDrafter, torch.optim.Optimizer, Progress]:
-    """A fresh drafter, or the last checkpoint in `out` (whose shape must match the arguments)."""
+    """A fresh drafter (random, from the target's top layers, or from `--init-from` a drafter
+    folder), or the last checkpoint in `out` (whose shape must match the arguments)."""
     spec = build_spec(args, target)
-    model = new_drafter(spec, target).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     ckpt = out / CHECKPOINT
-    if not (ckpt / TRAINER_STATE).is_file():
+    resuming = (ckpt / TRAINER_STATE).is_file()
+    source = ckpt if resuming else args.init_from
+    draft_ids = None
+    if source is not None:
+        draft_ids = read_draft_ids(Path(source), read_config(source), target.vocab_size)
+    elif args.draft_vocab:
+        draft_ids = frequent_tokens(shard_paths(args.data), args.draft_vocab, target.vocab_size)
+    model = new_drafter(spec, target, draft_ids).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    if source is None:
         model.init_weights(torch.Generator().manual_seed(args.seed))
         _copy_final_norm(target, model)
+        if args.init == "target":
+            init_from_target(model, target)
         return model, opt, Progress()
-    saved = spec_from_config(read_config(ckpt))
+    saved = spec_from_config(read_config(source))
     if saved != spec:
-        raise SpecFlashError(f"{ckpt} holds a drafter of another shape ({saved}); pass another --name")
+        raise SpecFlashError(f"{source} holds a drafter of another shape ({saved}); pass matching options or another --name")
     from safetensors.torch import load_file
 
-    load_state(model, load_file(str(ckpt / "model.safetensors")), str(ckpt))
+    load_state(model, load_file(str(Path(source) / "model.safetensors")), str(source))
+    if not resuming:
+        return model, opt, Progress()
     state = torch.load(ckpt / TRAINER_STATE, map_location=target.device, weights_only=True)
     opt.load_state_dict(state["optimizer"])
     return model, opt, Progress(**state["progress"])
@@ -251,6 +265,9 @@ def train(args: argparse.Namespace) -> Progress:
     run = _Run(args, target, model, opt, progress, out, total, loss_weights(args.block_size, args.gamma),
                cache, bar, time.perf_counter() - progress.seconds, progress.step)
     if args.head_vocab:
+        if model.draft_ids is not None:
+            raise SpecFlashError("--head-vocab restricts the training softmax of a full-vocabulary drafter; this one "
+                                 "has a draft vocabulary already (--draft-vocab or the checkpoint's d2t)")
         run.vocab = frequent_tokens(shard_paths(args.data), args.head_vocab, target.vocab_size)
     while not run.finished():
         if not progress.shards:  # a new epoch sees every shard finished so far (data may still grow)
@@ -270,7 +287,7 @@ def train(args: argparse.Namespace) -> Progress:
 
 def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
     """How the drafter was trained, stored in its config.json (ignored by loaders)."""
-    keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed")
+    keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed", "init", "draft_vocab")
     return {"specflash_training": {**{k: getattr(args, k) for k in keep}, "data": [Path(d).name for d in args.data],
                                    "steps": progress.step, "tokens": progress.tokens,
                                    "minutes": round(progress.seconds / 60, 1)}}
@@ -299,6 +316,13 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
                    help="train the softmax over the K most frequent target tokens + batch labels (0 = all, the "
                         "default). A CPU shortcut with a trap: the other logits are never trained, and the drafter "
                         "may draft an untrained token everywhere at inference; finish with full-vocabulary steps")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="a reduced draft vocabulary: the N tokens the target emits most often in the data, stored "
+                        "as d2t.safetensors; drafting computes only those rows of the LM head (0 = full vocabulary)")
+    p.add_argument("--init", choices=("random", "target"), default="random",
+                   help="start the draft layers from the target's layers after the deepest feature layer")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this drafter folder's weights (and d2t), with a fresh optimizer and schedule")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=float, default=0.04, help="fraction of steps")
     p.add_argument("--clip", type=float, default=1.0)

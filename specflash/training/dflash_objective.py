@@ -90,17 +90,33 @@ def sequence_loss(
     vocab: torch.Tensor | None = None,  # [K] token ids the softmax runs over (None = all)
 ) -> StepStats:
     """Weighted CE (summed, not yet normalised) of all anchored blocks of one sequence. With
-    `vocab`, the softmax covers those ids plus this sequence's labels (a restricted head)."""
+    `vocab`, the softmax covers those ids plus this sequence's labels (a restricted head). A
+    drafter with a draft vocabulary trains its softmax over exactly that vocabulary; a label
+    outside it can never be drafted, so it carries no loss and counts as a miss."""
     device, L, n = features.device, model.spec.block_size, len(anchors)
     hidden = block_forward(model, seq, features, anchors)  # [N, L, H]
     labels, valid = block_labels(seq.next_ids.to(device), anchors.to(device), L)
-    if vocab is not None:
-        vocab = torch.unique(torch.cat([vocab.to(device), labels.flatten()]))  # sorted [K']
-        labels = torch.searchsorted(vocab, labels)
-    logits = model.logits(hidden[:, 1:], vocab).float()  # [N, L-1, V or K']
-    w = weights.to(device)[None] * valid  # [N, L-1]
+    reachable = valid
+    if model.draft_ids is not None and vocab is None:
+        labels, inside = draft_labels(model.draft_ids, labels)
+        reachable = valid & inside
+        logits = model.draft_logits(hidden[:, 1:]).float()  # [N, L-1, N_draft]
+    else:
+        if vocab is not None:
+            vocab = torch.unique(torch.cat([vocab.to(device), labels.flatten()]))  # sorted [K']
+            labels = torch.searchsorted(vocab, labels)
+        logits = model.logits(hidden[:, 1:], vocab).float()  # [N, L-1, V or K']
+    w = weights.to(device)[None] * reachable  # [N, L-1]
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(n, L - 1)
     with torch.no_grad():
-        slot1 = int(((logits[:, 0].argmax(-1) == labels[:, 0]) & valid[:, 0]).sum())
-        leading = leading_correct(logits, labels, valid)
+        slot1 = int(((logits[:, 0].argmax(-1) == labels[:, 0]) & reachable[:, 0]).sum())
+        leading = leading_correct(logits, labels, reachable)
     return StepStats((ce * w).sum(), float(w.sum()), slot1, n, int(leading.sum()))
+
+
+def draft_labels(draft_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target-id labels -> (draft-vocabulary indices, inside [same shape]); sorted `draft_ids`.
+    Labels outside the draft vocabulary get index 0 and inside False."""
+    index = torch.searchsorted(draft_ids, labels).clamp(max=len(draft_ids) - 1)
+    inside = draft_ids[index] == labels
+    return torch.where(inside, index, torch.zeros_like(index)), inside

@@ -1,0 +1,57 @@
+"""Start a DFlash drafter from the target's own top layers instead of random weights.
+
+Why: a drafter that begins as the layers the target runs right after its deepest feature layer
+already turns those features into next-token-like states, so training only has to teach it the
+block (mask slots, several positions ahead) rather than language from scratch. Concretely, with
+feature layers (..., d), draft layer i copies target layer d + 1 + i (clamped to the last layer):
+its attention and MLP projections and both norms; `fc` starts as the selection of layer d's
+features, and `hidden_norm` as the copied layer's input norm, so the context keys and values of
+the first draft layer are what target layer d + 1 computes from layer d's output. Qwen3-style
+q/k norms with no counterpart in the target (e.g. Llama) stay at one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.dflash import DFlashDrafter
+from ..models.target import TargetModel
+
+_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def source_layers(model: DFlashDrafter, num_target_layers: int) -> list[int]:
+    """The target layer each draft layer copies."""
+    deepest = max(model.spec.target_layer_ids)
+    return [min(deepest + 1 + i, num_target_layers - 1) for i in range(model.spec.num_layers)]
+
+
+@torch.no_grad()
+def init_from_target(model: DFlashDrafter, target: TargetModel) -> list[int]:
+    """Copy the target's layers into the drafter (shapes must match); returns the copied ids."""
+    ids = source_layers(model, target.num_layers)
+    for draft_layer, index in zip(model.layers, ids):
+        source = target.layers[index]
+        for block, names in _PROJECTIONS:
+            for name in names:
+                _copy(getattr(getattr(draft_layer, block), name).weight, getattr(getattr(source, block), name).weight,
+                      f"layer {index} {block}.{name}")
+        for name in _NORMS:
+            _copy(getattr(draft_layer, name).weight, getattr(source, name).weight, f"layer {index} {name}")
+        for name in ("q_norm", "k_norm"):
+            theirs = getattr(source.self_attn, name, None)
+            if theirs is not None:
+                _copy(getattr(draft_layer.self_attn, name).weight, theirs.weight, f"layer {index} {name}")
+    h, deepest = model.spec.hidden_size, model.spec.target_layer_ids.index(max(model.spec.target_layer_ids))
+    model.fc.weight.mul_(0.1)
+    model.fc.weight[:, deepest * h : (deepest + 1) * h] += torch.eye(h)
+    model.hidden_norm.weight.copy_(model.layers[0].input_layernorm.weight)
+    return ids
+
+
+def _copy(mine: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    if mine.shape != theirs.shape:
+        raise ValueError(f"cannot start the drafter from the target: {what} has shape {tuple(theirs.shape)}, "
+                         f"the drafter's {tuple(mine.shape)}")
+    mine.copy_(theirs.to(mine.dtype))

@@ -1,0 +1,104 @@
+"""Reduced draft vocabularies (d2t): the checkpoint map, q = 0 outside it, lossless decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import LOSSLESS_ARCHS, hf_greedy
+from specflash.api import generate
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
+from specflash.errors import CheckpointError, DrafterMismatchError
+from specflash.models.dflash_io import D2T_FILE, load_drafter, new_drafter, save_drafter
+from specflash.training.dflash_objective import draft_labels
+from test_dflash import PROMPTS, make_spec
+
+
+def vocab_drafter(target, ids, seed=0, std=0.2, **shape):
+    model = new_drafter(make_spec(target, **shape), target, torch.tensor(ids))
+    model.init_weights(torch.Generator().manual_seed(seed), std=std)
+    return model.eval()
+
+
+def spread_ids(target, n):
+    """n distinct ids spread over the target's vocabulary, sorted."""
+    return sorted({int(i) for i in torch.linspace(3, target.vocab_size - 1, n).round()})
+
+
+def test_d2t_round_trip_uses_eagle3_offsets(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    ids = spread_ids(target, 40)
+    save_drafter(vocab_drafter(target, ids), tmp_path)
+    d2t = load_file(str(tmp_path / D2T_FILE))["d2t"]
+    assert [i + int(d2t[i]) for i in range(len(d2t))] == ids  # target id = draft id + d2t[draft id]
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == len(ids)
+    assert "d2t" not in load_file(str(tmp_path / "model.safetensors"))  # z-lab weights stay as they are
+    assert load_drafter(tmp_path, target).draft_ids.tolist() == ids
+
+
+def test_full_vocabulary_drafter_writes_no_map(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    save_drafter(new_drafter(make_spec(target), target), tmp_path)
+    assert not (tmp_path / D2T_FILE).exists()
+    assert load_drafter(tmp_path, target).draft_ids is None
+
+
+def test_logits_outside_the_draft_vocabulary_are_minus_infinity(tiny_targets):
+    target = tiny_targets["qwen3"]
+    ids = spread_ids(target, 25)
+    model = vocab_drafter(target, ids)
+    hidden = torch.randn(3, target.hidden_size)
+    probs = torch.softmax(model.logits(hidden), dim=-1)
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert probs[:, outside].abs().max() == 0
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+    full = target.model.get_output_embeddings()(hidden)  # the target's own head on those rows
+    assert torch.allclose(model.logits(hidden)[:, ids], full[:, ids], atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
+def test_greedy_with_a_draft_vocabulary_equals_transformers(tiny_targets, arch):
+    target = tiny_targets[arch]
+    ids = spread_ids(target, 60)
+    drafter = DFlashEngineDrafter(vocab_drafter(target, ids, feature_layers=(1, 0)), DFlashConfig(gate=False))
+    drafted = 0
+    for prompt in PROMPTS:
+        prompt_ids = target.tokenizer(prompt)["input_ids"]
+        run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
+        assert run.output_ids == hf_greedy(target, prompt_ids, 24)
+        for step in run.steps:
+            assert set(step.tokens) <= set(ids)
+            drafted += len(step.tokens)
+    assert drafted > 0
+
+
+def test_d2t_errors(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    ids = spread_ids(target, 10)
+    save_drafter(vocab_drafter(target, ids), tmp_path)
+    save_file({"d2t": torch.tensor([target.vocab_size] * 3)}, str(tmp_path / D2T_FILE))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 3}))
+    with pytest.raises(DrafterMismatchError, match="outside the target's"):
+        load_drafter(tmp_path, target)
+    save_file({"d2t": torch.tensor([5, 0, 0])}, str(tmp_path / D2T_FILE))  # ids 5, 1, 2: not increasing
+    with pytest.raises(CheckpointError, match="increasing"):
+        load_drafter(tmp_path, target)
+    save_file({"d2t": torch.tensor([1, 1])}, str(tmp_path / D2T_FILE))
+    with pytest.raises(CheckpointError, match="draft_vocab_size 3"):
+        load_drafter(tmp_path, target)
+    (tmp_path / D2T_FILE).unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_drafter(tmp_path, target)
+
+
+def test_draft_labels_map_inside_and_flag_outside():
+    draft_ids = torch.tensor([2, 5, 9, 11])
+    labels = torch.tensor([[5, 3, 11], [2, 12, 9]])
+    index, inside = draft_labels(draft_ids, labels)
+    assert inside.tolist() == [[True, False, True], [True, False, True]]
+    assert index[inside].tolist() == [1, 3, 0, 2]
