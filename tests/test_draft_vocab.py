@@ -102,3 +102,33 @@ def test_draft_labels_map_inside_and_flag_outside():
     index, inside = draft_labels(draft_ids, labels)
     assert inside.tolist() == [[True, False, True], [True, False, True]]
     assert index[inside].tolist() == [1, 3, 0, 2]
+
+
+def test_zlab_view_is_what_a_full_vocabulary_loader_reads(tiny_targets, tmp_path):
+    from specflash.training.evaluate import zlab_view
+
+    target = tiny_targets["llama"]
+    model = vocab_drafter(target, spread_ids(target, 30))
+    save_drafter(model, tmp_path / "ours")
+    view = load_drafter(zlab_view(tmp_path / "ours", tmp_path / "zlab"), target)
+    assert view.draft_ids is None and "draft_vocab_size" not in json.loads((tmp_path / "zlab" / "config.json").read_text())
+    hidden = torch.randn(2, target.hidden_size)
+    assert view.logits(hidden).shape[-1] == target.vocab_size
+    assert torch.isfinite(view.logits(hidden)).all()
+    for name, tensor in view.state_dict().items():
+        assert torch.equal(tensor, load_drafter(tmp_path / "ours", target).state_dict()[name])
+
+
+def test_frequent_tokens_and_their_coverage_on_other_shards(tmp_path):
+    from specflash.training.data import Sample, write_shard
+    from specflash.training.draft_vocab import coverage, frequent_tokens
+
+    def shard(name, answers):
+        path = tmp_path / name
+        write_shard(path, [Sample([1, 2] + a, 2, "code", "test", f"{name}-{i}") for i, a in enumerate(answers)], "generate")
+        return path
+
+    chosen = shard("a.safetensors", [[7, 7, 7, 3], [3, 9, 7]])  # counts: 7 x4, 3 x2, 9 x1 (prompt ids 1, 2 ignored)
+    other = shard("b.safetensors", [[7, 3, 5, 5], [9]])
+    assert frequent_tokens([chosen], 2, 16).tolist() == [3, 7]
+    assert coverage([chosen], [other], [1, 2, 3], 16) == {1: 1 / 5, 2: 2 / 5, 3: 3 / 5}

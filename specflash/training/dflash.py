@@ -32,6 +32,7 @@ from ..models.dflash import DFlashDrafter, DFlashSpec, default_target_layers, lo
 from ..models.dflash_io import (load_state, new_drafter, pick_mask_token, read_config, read_draft_ids, save_drafter,
                                 spec_from_config)
 from .dflash_init import init_from_target
+from .draft_vocab import frequent_tokens
 from ..models.target import TargetModel
 from .data import MANIFEST, load_target, read_shard
 from .dflash_features import shard_features
@@ -156,16 +157,6 @@ def _copy_final_norm(target: TargetModel, model: DFlashDrafter) -> None:
     if isinstance(weight, torch.Tensor) and weight.shape == model.norm.weight.shape:
         with torch.no_grad():
             model.norm.weight.copy_(weight.float())
-
-
-def frequent_tokens(shards: list[Path], k: int, vocab_size: int) -> torch.Tensor:
-    """The `k` ids the target emits most often in the data (its restricted training head), sorted."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for shard in shards:
-        for s in read_shard(shard):
-            ids = s.labels if s.labels is not None else s.token_ids[max(1, s.prompt_len):]
-            counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)
-    return counts.argsort(descending=True)[:k].sort().values
 
 
 def _step(args, model, opt, batch, weights, progress: Progress, total: int, vocab=None) -> dict:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import tempfile
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-domain", type=int, default=4, help="held-out prompts per domain")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--zlab-view", action="store_true",
+                   help="also evaluate each drafter as a full-vocabulary z-lab loader reads it (no d2t map)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
@@ -73,13 +77,30 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def zlab_view(folder: Path, dest: Path) -> Path:
+    """What a full-vocabulary z-lab loader (vLLM, SGLang) reads of a drafter folder: config.json
+    without our `draft_vocab_size` and model.safetensors; no d2t map, no length head."""
+    from ..models.dflash_io import CONFIG_FILE, WEIGHTS_FILE, read_config
+
+    dest.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in read_config(folder).items() if k != "draft_vocab_size"}
+    (dest / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
+    shutil.copyfile(Path(folder) / WEIGHTS_FILE, dest / WEIGHTS_FILE)
+    return dest
+
+
 def compare(args: argparse.Namespace) -> str:
     """Evaluate every drafter, print the table, write the JSON; the one-line verdict on outputs."""
     from ..api import load
 
     target = load(args.model, device=args.device, dtype=torch.float32)
-    results = {label: acceptance_by_domain(target, drafter, args.domains, args.per_domain, args.max_new_tokens)
-               for label, drafter in zip(args.labels, args.drafters)}
+    runs = list(zip(args.labels, args.drafters))
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.zlab_view:
+            runs += [(f"{label} (z-lab loader, full vocabulary)", str(zlab_view(Path(d), Path(scratch) / str(i))))
+                     for i, (label, d) in enumerate(runs)]
+        results = {label: acceptance_by_domain(target, drafter, args.domains, args.per_domain, args.max_new_tokens)
+                   for label, drafter in runs}
     outputs = [r.pop("outputs") for r in results.values()]
     identical = all(o == outputs[0] for o in outputs)
     print(format_table(results))

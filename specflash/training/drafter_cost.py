@@ -1,0 +1,85 @@
+"""What one DFlash block costs on this device, as a fraction of one plain target decoding step.
+
+Why: on a CPU a drafter pays only if its block forward is small next to a target step (the
+verify-cost curve is steep here), and the LM head over the full vocabulary is most of a small
+drafter's cost. Both figures come from the engine's own trace records, on the same held-out
+prompts, side by side: the median `verify_time` of plain decoding's steps and the median
+`draft_time` of DFlash's steps (drafting every step, no gate), with the drafter's draft
+vocabulary and, for comparison, with the target's full LM head.
+
+    python -m specflash.training.drafter_cost --model smollm2-135m --drafter FOLDER [--out cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from ..metrics import decode_steps
+from ..prompts import DOMAINS, heldout_prompts
+from .entry import run_script
+
+
+def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: int = 32) -> dict[str, float]:
+    """Median milliseconds of a target step and of a drafter block (draft and full vocabulary)."""
+    from ..api import encode_prompt, generate
+    from ..drafters.dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder
+    from ..models.dflash_io import load_drafter
+
+    model = load_drafter(drafter_folder(drafter), target)
+    full = load_drafter(drafter_folder(drafter), target)
+    full.draft_ids = None
+    engines = {"draft_vocab": DFlashEngineDrafter(model, DFlashConfig(gate=False)),
+               "full_vocab": DFlashEngineDrafter(full, DFlashConfig(gate=False))}
+    times: dict[str, list[float]] = {"target_step": [], "draft_vocab": [], "full_vocab": []}
+    prompts = [p for d in DOMAINS for p in heldout_prompts(d)[:prompts_per_domain]]
+    for prompt in prompts:  # interleaved, so machine noise hits every column alike
+        ids = encode_prompt(target, prompt.text)
+        run = generate(target, ids, "ar", max_new_tokens=max_new_tokens, stop_on_eos=False)
+        times["target_step"] += [s.verify_time for s in decode_steps(run)]
+        for name, engine in engines.items():
+            run = generate(target, ids, drafter=engine, max_new_tokens=max_new_tokens, stop_on_eos=False)
+            times[name] += [s.draft_time for s in decode_steps(run)][1:]  # the first block warms up
+    ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+    vocab = len(model.draft_ids) if model.draft_ids is not None else target.vocab_size
+    return {"target_step_ms": ms["target_step"], "block_ms": ms["draft_vocab"], "block_full_vocab_ms": ms["full_vocab"],
+            "block_fraction": ms["draft_vocab"] / ms["target_step"],
+            "block_full_vocab_fraction": ms["full_vocab"] / ms["target_step"],
+            "draft_vocab_size": vocab, "samples": len(times["target_step"]), "threads": torch.get_num_threads()}
+
+
+def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specflash.training.drafter_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafter", required=True, help="DFlash drafter folder")
+    p.add_argument("--prompts-per-domain", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
+    p.add_argument("--threads", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def report(args: argparse.Namespace) -> dict:
+    from ..api import load
+
+    result = measure(load(args.model, device="cpu", dtype=torch.float32), args.drafter, args.prompts_per_domain,
+                     args.max_new_tokens)
+    print(f"target step {result['target_step_ms']:.1f} ms | drafter block {result['block_ms']:.1f} ms "
+          f"({100 * result['block_fraction']:.0f}% of a step, {result['draft_vocab_size']} draft tokens) | "
+          f"with the full LM head {result['block_full_vocab_ms']:.1f} ms ({100 * result['block_full_vocab_fraction']:.0f}%)")
+    if args.out:
+        args.out.write_text(json.dumps({"model": args.model, "drafter": Path(args.drafter).name, **result}, indent=1) + "\n")
+    return result
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    return run_script(parse_args(argv), report, lambda r: f"{r['samples']} target steps measured")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
