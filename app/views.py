@@ -108,6 +108,9 @@ def stats_markdown(run: RunRecord) -> str:
         ("verified_per_committed", f"{m['verified_per_committed']:.2f}"),
         ("finish", run.finish_reason),
     ]
+    gate = gate_summary(run.steps)
+    if gate:
+        rows.append(("draft gate", gate))
     return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
@@ -127,12 +130,22 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str]) -> str:
     tail = f"the target added {correction} ({step.correction_kind}, p={step.correction_p:.3f})"
     if step.phase == "prefill":
         return f"Prefill over {step.context_len} prompt tokens: {tail}."
+    gate = step.extras.get("gate")
+    why = f"Draft gate {gate['state']}: {html.escape(gate['reason'])}. " if gate else ""
     if not step.tokens:
-        return f"No draft this step: {tail}."
+        return f"{why}No draft this step: {tail}."
     n, a = len(step.tokens), step.accepted_len
     if step.correction_kind == "bonus":
-        return f"All {a} drafted tokens on the path were accepted (of {n} drafted): {tail}."
-    return f"Verification stopped after {a} accepted token(s) of {n} drafted: {tail}."
+        return f"{why}All {a} drafted tokens on the path were accepted (of {n} drafted): {tail}."
+    return f"{why}Verification stopped after {a} accepted token(s) of {n} drafted: {tail}."
+
+
+def gate_summary(steps: Sequence[StepRecord]) -> str | None:
+    """How many steps the draft gate drafted, skipped and probed (None when no gate ran)."""
+    states = [s.extras["gate"]["state"] for s in steps if "gate" in s.extras]
+    if not states:
+        return None
+    return f"on {states.count('on')}, off {states.count('off')}, probe {states.count('probe')} steps"
 
 
 def step_table_html(step: StepRecord, texts: Mapping[int, str]) -> str:

@@ -10,8 +10,8 @@ import pytest
 import specflash
 from app import views, views_compare, views_heads, views_tree
 from app.methods import all_knobs, available_methods, method_knobs, options_for
-from specflash.cli import default_drafter
 from specflash.errors import SpecFlashError
+from specflash.models.presets import default_drafter
 from specflash.trace import RunRecord, StepRecord
 
 PRESET = "tiny-qwen3"
@@ -94,6 +94,17 @@ def chain_step(**kw) -> StepRecord:
                 correction_kind="resample", correction_p=0.4, committed=[5, 6, 9], verified=5,
                 draft_time=0.01, verify_time=0.02)
     return StepRecord(**(base | kw))
+
+
+def test_step_inspector_says_why_the_draft_gate_drafted_nothing():
+    off = {"state": "off", "width": 0, "value": 1.0, "reason": "drafting does not pay: best drafted width is worth 0.61"}
+    skipped = chain_step(tokens=[], parents=[], q=None, p=[], accepted=[], correction_kind="target",
+                         committed=[9], verified=1, extras={"gate": off})
+    probe = chain_step(extras={"gate": {**off, "state": "probe", "width": 7, "reason": "drafting off for 8 steps: probing"}})
+    assert views.stop_summary(skipped, {9: "X"}).startswith("Draft gate off: drafting does not pay")
+    assert "Draft gate probe: drafting off for 8 steps" in views.stop_summary(probe, {})
+    assert views.gate_summary([skipped, skipped, probe]) == "on 0, off 2, probe 1 steps"
+    assert views.gate_summary([chain_step()]) is None
 
 
 def test_step_inspector_marks_where_verification_stopped():
