@@ -20,10 +20,10 @@ import torch
 import specflash
 from specflash.api import default_device, pack_run
 from specflash.drafters.adaflash import annotate_cuts
-from specflash.cli import default_drafter
 from specflash.config import SamplingConfig
 from specflash.engine import Decoding
 from specflash.errors import SpecFlashError
+from specflash.models.presets import default_drafter
 from specflash.models.target import TargetModel
 from specflash.trace import RunRecord, StepRecord
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import specflash
 from specflash.metrics import per_position_acceptance
+from specflash.models.presets import default_drafter
 from specflash.prompts import DOMAINS, heldout_prompts
 
 
@@ -28,8 +29,6 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("bench-out/dels_sweep.json"))
     args = p.parse_args()
-
-    from specflash.cli import default_drafter
 
     target = specflash.load(args.model)
     drafter = args.drafter or default_drafter(args.model, "dflash", None)

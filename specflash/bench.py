@@ -20,14 +20,14 @@ from typing import Any, Callable
 
 import torch
 
+from .cli_args import add_model_args, parse_options, torch_dtype
 from .config import SamplingConfig
+from .models.presets import default_drafter
 
 HF_ROWS = ("hf-assisted", "hf-pld")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    from .cli import add_model_args
-
     add_model_args(p)
     p.add_argument("--methods", default=None, help="comma list (default ar,pld,hf-pld); hf-assisted and hf-pld are "
                    "reference rows; with --batch-sizes (default ar,dflash,adaflash): ar, dflash, adaflash and labelled "
@@ -84,8 +84,6 @@ def _engine_runner(target, method: str, drafter: str | None, options: dict, cach
 
 
 def _method_options(items: list[str]) -> dict[str, dict]:
-    from .cli import parse_options
-
     per: dict[str, dict] = {}
     for key, value in parse_options(items).items():
         method, _, knob = key.partition(".")
@@ -139,7 +137,6 @@ def device_label(target) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     from .api import encode_prompt, load
-    from .cli import _dtype, default_drafter
     from .models.loading import load_causal_lm
     from .prompts import heldout_prompts
 
@@ -152,7 +149,7 @@ def run_bench(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in (args.methods or "ar,pld,hf-pld").split(",") if m.strip()]
     if "ar" not in methods:
         methods.insert(0, "ar")
-    target = load(args.model, device=args.device, dtype=_dtype(args.dtype), cache_dir=args.cache_dir)
+    target = load(args.model, device=args.device, dtype=torch_dtype(args.dtype), cache_dir=args.cache_dir)
     options = _method_options(args.option)
     drafter = args.drafter or default_drafter(args.model, "draft", args.cache_dir)
     runners = {}

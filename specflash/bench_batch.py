@@ -22,9 +22,11 @@ from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any
 
+from .cli_args import torch_dtype
 from .config import SamplingConfig
 from .errors import SpecFlashError
 from .metrics import decode_steps
+from .models.presets import default_drafter
 
 
 @dataclass
@@ -152,12 +154,11 @@ def run_batch_bench(args: argparse.Namespace) -> int:
     from .api import encode_prompt, load
     from .batch import build_batch_drafter
     from .bench import _method_options, device_label
-    from .cli import _dtype, default_drafter
     from .prompts import heldout_prompts
 
     sizes = parse_batch_sizes(args.batch_sizes)
     variants = parse_variants(args.methods or "ar,dflash,adaflash", _method_options(args.option))
-    target = load(args.model, device=args.device, dtype=_dtype(args.dtype), cache_dir=args.cache_dir)
+    target = load(args.model, device=args.device, dtype=torch_dtype(args.dtype), cache_dir=args.cache_dir)
     prompts = [p for d in args.domains.split(",") for p in heldout_prompts(d.strip())[: args.prompts_per_domain]]
     encoded = [encode_prompt(target, p.text) for p in prompts]
     device = device_label(target)

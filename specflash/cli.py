@@ -10,35 +10,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
+from .bench import add_bench_args, run_bench
+from .cli_args import add_model_args, parse_options, torch_dtype
 from .errors import SpecFlashError
+from .models.presets import default_drafter
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, status 2, like every other bad input
         self.exit(2, f"error: {message}\n")
-
-
-def parse_options(items: Sequence[str]) -> dict[str, Any]:
-    """KEY=VALUE method knobs; values are read as JSON when they parse (numbers, booleans)."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SpecFlashError(f"method option {item!r} is not KEY=VALUE (e.g. -o k=4)")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="preset name, local folder or cached hub id")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--cache-dir", type=Path, default=None, help="where presets keep converted models")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -64,31 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="method knob")
     gen.add_argument("--json", action="store_true", help="print the RunRecord with text and stats as JSON")
 
-    from .bench import add_bench_args
-
     add_bench_args(sub.add_parser("bench", help="side-by-side benchmark of methods on held-out prompts"))
 
     fetch = sub.add_parser("fetch-models", help="fetch and convert the default model into the cache")
     fetch.add_argument("--cache-dir", type=Path, default=None)
     return parser
-
-
-def _dtype(name: str | None):
-    import torch
-
-    return None if name is None else getattr(torch, name)
-
-
-def default_drafter(model: str, method: str, cache_dir: Path | None) -> str | None:
-    """The preset's drafter for this method, if the model is a preset that has one."""
-    from .drafters import METHODS
-    from .models.presets import PRESETS, resolve_drafter
-
-    role = METHODS[method].drafter_role if method in METHODS else None
-    if model not in PRESETS or role is None:
-        return None
-    path = resolve_drafter(model, role, cache_dir)
-    return None if path is None else str(path)
 
 
 def cmd_methods() -> int:
@@ -108,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     method_info(args.method)  # an unknown method fails before any model loads
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     options = parse_options(args.option)
-    target = load(args.model, device=args.device, dtype=_dtype(args.dtype), cache_dir=args.cache_dir)
+    target = load(args.model, device=args.device, dtype=torch_dtype(args.dtype), cache_dir=args.cache_dir)
     drafter = args.drafter or default_drafter(args.model, args.method, args.cache_dir)
     run = generate(
         target, args.prompt, args.method, max_new_tokens=args.max_new_tokens, sampling=sampling, raw=args.raw,
@@ -143,8 +105,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":
-            from .bench import run_bench
-
             return run_bench(args)
         if args.command == "fetch-models":
             from .models.acquire import fetch_default_model

@@ -16,8 +16,8 @@ import pytest
 import specflash
 from app.methods import available_methods
 from app.ui import build_demo
-from specflash.cli import default_drafter
 from specflash.errors import SpecFlashError
+from specflash.models.presets import default_drafter
 from specflash.trace import RunRecord
 
 pytestmark = pytest.mark.slow

@@ -14,9 +14,9 @@ gradio_client = pytest.importorskip("gradio_client")
 import specflash
 from app.methods import all_knobs, available_methods, method_available
 from app.ui import build_demo
-from specflash.cli import default_drafter
 from specflash.config import SamplingConfig
 from specflash.errors import SpecFlashError
+from specflash.models.presets import default_drafter
 
 PRESET = "tiny-qwen3"
 PROMPT = "What is 12 * 7? The answer is 84. What is 12 * 7?"

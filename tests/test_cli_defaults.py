@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from specflash.cli import default_drafter
-from specflash.models.presets import REPO_ROOT
+from specflash.models.presets import REPO_ROOT, default_drafter
 
 
 def test_dflash_family_uses_the_presets_dflash_drafter():

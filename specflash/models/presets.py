@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 from huggingface_hub import try_to_load_from_cache
 
+from ..drafters import METHODS
 from ..errors import PresetUnavailableError, UnknownPresetError
 
 DEFAULT_PRESET = "smollm2-135m"
@@ -143,3 +144,13 @@ def resolve_drafter(preset: Preset | str, role: str, cache_dir: Path | None = No
     preset = get_preset(preset) if isinstance(preset, str) else preset
     location = preset.drafters.get(role)
     return None if location is None else _resolve(location, preset, cache_dir)
+
+
+def default_drafter(model: str, method: str, cache_dir: Path | None) -> str | None:
+    """The preset's drafter for this method (by the method's drafter role), if the model is a
+    preset that has one; None for a path or hub id, and for methods that take no drafter."""
+    role = METHODS[method].drafter_role if method in METHODS else None
+    if model not in PRESETS or role is None:
+        return None
+    path = resolve_drafter(model, role, cache_dir)
+    return None if path is None else str(path)

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from ..config import SamplingConfig
 from ..models.dflash import loss_weights
 from ..models.dflash_io import load_state, save_drafter
+from ..models.presets import default_drafter
 from ..models.target import TargetModel
 from ..prompts import training_prompts
 from .data import Sample, append_shard, read_manifest, read_shard
@@ -161,8 +162,6 @@ def train(args: argparse.Namespace) -> Progress:
     out.mkdir(parents=True, exist_ok=True)
     target = load(args.model, device=args.device, dtype=torch.float32)
     if not args.drafter:
-        from ..cli import default_drafter
-
         args.drafter = default_drafter(args.model, "dflash", None)
     model, opt, progress = load_start(args, target, out)
     bar = tqdm(desc=f"{args.objective}-{args.name}", unit="step", initial=progress.step)
