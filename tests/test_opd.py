@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.models.dflash import loss_weights
 from specflash.models.dflash_io import load_drafter, save_drafter
 from specflash.models.length_head import LengthHead, load_length_head
+from specflash.models.presets import REPO_ROOT
 from specflash.training import evaluate, length_head, opd
 from specflash.training.dflash_features import sequence_features
 from specflash.training.dflash_objective import make_sequence
@@ -71,6 +73,16 @@ def test_combine_clips_after_dividing_by_the_weight():
     rkl = 1.0 * min(0.3 / n, 1.0) + 0.5 * min(6.0 / n, 1.0)  # the second slot is clipped
     assert loss.item() == pytest.approx(0.5 * ce + 0.5 * rkl)
     assert stats["clip_ratio"] == pytest.approx(0.5) and stats["tau"] == 2.0
+
+
+def test_the_recipe_records_no_absolute_path(tmp_path):
+    """config.json ships in assets/: a drafter inside the project is recorded relative to its root,
+    one outside by its folder name."""
+    for drafter, recorded in ((REPO_ROOT / "assets" / "drafters" / "d", "assets/drafters/d"), (tmp_path / "d", "d")):
+        args = opd.parse_args(["--drafter", str(drafter)])
+        recipe = opd.recipe(args, opd.Progress(round=1, step=8, seconds=90.0))["specflash_opd"]
+        assert recipe["drafter"] == recorded and recipe["steps"] == 8
+        assert not [v for v in recipe.values() if isinstance(v, str) and Path(v).is_absolute()]
 
 
 def _opd_args(tmp_path, model_dir, drafter_dir, objective="opd", rounds=1):

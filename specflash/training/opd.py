@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 import torch
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from ..config import SamplingConfig
 from ..models.dflash import loss_weights
 from ..models.dflash_io import load_state, save_drafter
-from ..models.presets import default_drafter
+from ..models.presets import REPO_ROOT, default_drafter
 from ..models.target import TargetModel
 from ..prompts import training_prompts
 from .data import Sample, append_shard, read_manifest, read_shard
@@ -155,6 +156,24 @@ def train_round(args, target, model, opt, progress: Progress, shards, out: Path,
     return True
 
 
+_RECIPE = ("objective", "alpha", "temperature", "clip", "rounds", "prompts_per_round", "max_new_tokens",
+           "gen_temperature", "gen_method", "passes", "anchors", "seqs_per_step", "lr", "seed")
+
+
+def portable_path(path: str | Path) -> str:
+    """A path as it may be written into a shipped file: relative to the project root when inside it,
+    else only its folder name. An absolute path would record this machine's layout, true nowhere else."""
+    resolved = Path(path).resolve()
+    return resolved.relative_to(REPO_ROOT).as_posix() if resolved.is_relative_to(REPO_ROOT) else resolved.name
+
+
+def recipe(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    """What the exported drafter's config.json records about how it was trained (`specflash_opd`)."""
+    return {"specflash_opd": {**{k: getattr(args, k) for k in _RECIPE}, "drafter": portable_path(args.drafter),
+                              "rounds_done": progress.round, "steps": progress.step,
+                              "minutes": round(progress.seconds / 60, 1)}}
+
+
 def train(args: argparse.Namespace) -> Progress:
     from ..api import load
 
@@ -174,17 +193,11 @@ def train(args: argparse.Namespace) -> Progress:
         save_checkpoint(out, model, opt, progress)
     bar.close()
     save_checkpoint(out, model, opt, progress)
-    recipe = {"specflash_opd": {**{k: getattr(args, k) for k in _RECIPE}, "drafter": str(args.drafter),
-                                "rounds_done": progress.round, "steps": progress.step,
-                                "minutes": round(progress.seconds / 60, 1)}}
-    save_drafter(model, out / "export", dtype=torch.float16, extra=recipe)
+    extra = recipe(args, progress)
+    save_drafter(model, out / "export", dtype=torch.float16, extra=extra)
     if args.export:
-        save_drafter(model, args.export, dtype=torch.float16, extra=recipe)
+        save_drafter(model, args.export, dtype=torch.float16, extra=extra)
     return progress
-
-
-_RECIPE = ("objective", "alpha", "temperature", "clip", "rounds", "prompts_per_round", "max_new_tokens",
-           "gen_temperature", "gen_method", "passes", "anchors", "seqs_per_step", "lr", "seed")
 
 
 def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
