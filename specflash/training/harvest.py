@@ -181,6 +181,9 @@ def harvest(args: argparse.Namespace) -> dict:
     done = {sid for shard in manifest["shards"] for sid in shard["ids"]}
     todo = [job for job in jobs if job.sample_id not in done]
     report = {"out": str(out), "made": 0, "tokens": 0, "seconds": 0.0}
+    if args.summary:
+        print(summary(out))
+        return report
     if not todo:
         return report
     model, tokenizer = load_target(args.model, args.device, torch.float32)
@@ -213,6 +216,26 @@ def harvest(args: argparse.Namespace) -> dict:
     return report
 
 
+def summary(out: Path) -> str:
+    """A markdown table of what a harvest folder holds, per source (for the data card)."""
+    from .data import load_shards, read_manifest
+
+    cap = read_manifest(out)["max_new_tokens"]
+    rows: dict[str, list[int]] = {}
+    for s in load_shards(out):
+        row = rows.setdefault(s.source, [0, 0, 0, 0])
+        answer = len(s.token_ids) - s.prompt_len
+        for i, value in enumerate((1, s.prompt_len, answer, answer < cap)):
+            row[i] += int(value)
+    lines = ["| source | samples | prompt tokens | answer tokens | answers that ended before the cap |",
+             "|---|---|---|---|---|"]
+    for source, (n, prompt, answer, ended) in rows.items():
+        lines.append(f"| {source} | {n} | {prompt} | {answer} | {ended} |")
+    total = [sum(r[i] for r in rows.values()) for i in range(4)]
+    lines.append(f"| all | {total[0]} | {total[1]} | {total[2]} | {total[3]} |")
+    return "\n".join(lines)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -231,6 +254,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--summary", action="store_true", help="print what the folder holds, per source, and stop")
     args = p.parse_args(argv)
     for flag in ("per_source", "max_new_tokens", "batch_size", "shard_size"):
         if getattr(args, flag) < 1:

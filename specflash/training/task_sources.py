@@ -11,6 +11,7 @@ seed, so every machine builds the same jobs. None of the lists is taken from the
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import textwrap
 
@@ -82,8 +83,10 @@ def writing_task_jobs(n: int, seed: int) -> list[Job]:
             for i, (f, t, a) in enumerate(combos[:n])]
 
 
-def docstring_paragraphs(min_words: int = 30, max_words: int = 120) -> list[str]:
-    """English paragraphs from the standard library's module and class docstrings (prose, no code)."""
+@functools.lru_cache(maxsize=4)
+def docstring_paragraphs(min_words: int = 30, max_words: int = 120) -> tuple[str, ...]:
+    """English paragraphs from the standard library's module and class docstrings (prose, no
+    code); parsing the whole library takes seconds, so the result is kept per process."""
     paragraphs = []
     for path in stdlib_files():
         try:
@@ -97,7 +100,7 @@ def docstring_paragraphs(min_words: int = 30, max_words: int = 120) -> list[str]
                 words = para.split()
                 if min_words <= len(words) <= max_words and not any(c in para for c in ">>>{}[]|"):
                     paragraphs.append(textwrap.fill(" ".join(words), 100))
-    return paragraphs
+    return tuple(paragraphs)
 
 
 def rewrite_task_jobs(n: int, seed: int) -> list[Job]:
