@@ -1,7 +1,9 @@
-"""The benchmark's arithmetic: paired speedups, pooled acceptance, identical-output check."""
+"""The benchmark's arithmetic: paired speedups, pooled acceptance, identical-output check; and
+the PTD sweep (specflash.bench_ptd) on a tiny model."""
 
 from __future__ import annotations
 
+from specflash import bench_ptd
 from specflash.bench import Sample, summarize_samples
 
 
@@ -26,3 +28,14 @@ def test_summary_rows():
     assert rows["pld"]["identical_to_ar"] is False
     assert rows["hf-pld"]["identical_to_ar"] is True and rows["hf-pld"]["mean_acceptance_length"] is None
     assert list(rows) == ["ar", "pld", "hf-pld"]
+
+
+def test_ptd_sweep_gives_one_lossless_row_per_shape(tiny_targets, capsys):
+    target = tiny_targets["qwen3"]
+    prompts = {"count": target.tokenizer("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,").input_ids}
+    shapes = [(4, 0, 0, 3, 2), (8, 4, 2, 2, 2)]
+    rows = bench_ptd.sweep(target, prompts, shapes, 8)
+    assert len(rows) == len(shapes) and all(r.items() >= bench_ptd.options_of(s).items() for r, s in zip(rows, shapes))
+    assert all(r["identical_to_ar"] and r["mean_acceptance_length"] >= 1.0 for r in rows)
+    assert rows[0]["lookahead_per_forward"] == 0.0 < rows[1]["lookahead_per_forward"]
+    assert capsys.readouterr().out.splitlines() == [bench_ptd.format_row(r) for r in rows]
