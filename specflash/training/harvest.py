@@ -6,8 +6,8 @@ and its inputs are the target's hidden states at every position. Capturing them 
 (forward hooks on the chosen layers, at the prefill and at every decode step) saves the second
 teacher-forced pass over each sequence that `dflash_features.py` would otherwise need.
 
-Rows are left-padded prompts; a row that emits EOS leaves the batch (its cache rows are dropped),
-so long answers never pay for finished ones. Labels are the float32 model's argmax under batched
+Rows are left-padded prompts; rows that emitted EOS leave the batch (their cache rows are dropped)
+once a quarter of the batch has finished, so long answers rarely pay for finished ones. Labels are the float32 model's argmax under batched
 numerics: on a near-tie the batched argmax can differ from a batch-1 greedy run (the data card
 gives the measured agreement). The job list (sources, order, ids) depends only on the seed and
 the recipe; `--limit` grows a folder, and a rerun resumes at the first sample not yet written.
@@ -120,26 +120,29 @@ def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job],
     done: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
     nxt = out.logits[:, -1].argmax(-1)  # [B]
     for step in range(max_new_tokens):
-        keep = []
         for r, token in enumerate(nxt.tolist()):
+            if rows.index[r] in done:
+                continue  # finished: rides along until the next compaction
             rows.answers[r].append(token)
             if token in eos or step == max_new_tokens - 1:
                 done[rows.index[r]] = (rows.answers[r], rows.features[r])
-            else:
-                keep.append(r)
+        keep = [r for r in range(len(rows.index)) if rows.index[r] not in done]
         if not keep:
             break
-        if len(keep) < len(rows.index):  # finished rows leave the batch and its cache
+        if len(rows.index) - len(keep) >= max(1, len(rows.index) // 4):
+            # finished rows leave the batch and its cache, a quarter at a time: each compaction
+            # copies the whole cache, so doing it per finished row would cost more than it saves
             sel = torch.tensor(keep, device=device)
             cache.batch_select_indices(sel)
             mask, positions, nxt = mask[sel], positions[sel], nxt[sel]
             rows = _Rows([rows.index[r] for r in keep], [rows.answers[r] for r in keep], [rows.features[r] for r in keep])
-        mask = torch.cat([mask, mask.new_ones(len(keep), 1)], dim=-1)
+        mask = torch.cat([mask, mask.new_ones(len(rows.index), 1)], dim=-1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         feats = hooks.take()  # [B', 1, F]
-        for r in range(len(keep)):
-            rows.features[r].append(feats[r])
+        for r, index in enumerate(rows.index):
+            if index not in done:
+                rows.features[r].append(feats[r])
         nxt = out.logits[:, -1].argmax(-1)
     made = []
     for b, (job, prompt) in enumerate(zip(jobs, prompts)):
