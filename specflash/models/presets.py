@@ -154,3 +154,10 @@ def default_drafter(model: str, method: str, cache_dir: Path | None) -> str | No
         return None
     path = resolve_drafter(model, role, cache_dir)
     return None if path is None else str(path)
+
+
+def portable_path(path: str | Path) -> str:
+    """A path as it may be written into a shipped file: relative to the project root when inside it,
+    else only its folder name. An absolute path would record this machine's layout, true nowhere else."""
+    resolved = Path(path).resolve()
+    return resolved.relative_to(REPO_ROOT).as_posix() if resolved.is_relative_to(REPO_ROOT) else resolved.name

@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from ..errors import SpecFlashError
 from ..models.dflash import DFlashDrafter
+from ..models.dflash_io import D2T_FILE
 from ..models.length_head import LengthHead, length_labels, save_length_head, verify_len
+from ..models.presets import portable_path
 from ..models.target import TargetModel
 from .data import read_shard
 from .dflash import shard_paths
@@ -132,11 +134,11 @@ def train(args: argparse.Namespace) -> dict:
     losses = fit(head, fit_on, args.epochs, args.lr, args.batch, args.seed, L)
     report = {"train": score(head, fit_on, L), "heldout": score(head, val, L), "epoch_losses": losses,
               "recipe": {k: getattr(args, k) for k in ("anchors", "epochs", "lr", "batch", "bottleneck", "seed")},
-              "data": [str(d) for d in args.data], "drafter": str(args.drafter)}
+              "data": [portable_path(d) for d in args.data], "drafter": portable_path(args.drafter)}
     args.export.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", D2T_FILE):
         source = drafter_folder(str(args.drafter)) / name
-        if source.resolve() != (args.export / name).resolve():
+        if source.is_file() and source.resolve() != (args.export / name).resolve():
             shutil.copyfile(source, args.export / name)
     save_length_head(head, args.export)
     (args.export / "length_head_report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ..config import SamplingConfig
 from ..models.dflash import loss_weights
 from ..models.dflash_io import load_state, save_drafter
-from ..models.presets import REPO_ROOT, default_drafter
+from ..models.presets import default_drafter, portable_path
 from ..models.target import TargetModel
 from ..prompts import training_prompts
 from .data import Sample, append_shard, read_manifest, read_shard
@@ -158,13 +158,6 @@ def train_round(args, target, model, opt, progress: Progress, shards, out: Path,
 
 _RECIPE = ("objective", "alpha", "temperature", "clip", "rounds", "prompts_per_round", "max_new_tokens",
            "gen_temperature", "gen_method", "passes", "anchors", "seqs_per_step", "lr", "seed")
-
-
-def portable_path(path: str | Path) -> str:
-    """A path as it may be written into a shipped file: relative to the project root when inside it,
-    else only its folder name. An absolute path would record this machine's layout, true nowhere else."""
-    resolved = Path(path).resolve()
-    return resolved.relative_to(REPO_ROOT).as_posix() if resolved.is_relative_to(REPO_ROOT) else resolved.name
 
 
 def recipe(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
