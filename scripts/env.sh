@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create or reuse the project's virtual environment in .venv and install requirements.txt.
+# Create or reuse the project's virtual environment in .venv, install requirements.txt and the
+# project itself (editable).
 # Sourced by scripts/app.sh and scripts/test.sh; reinstalls only when requirements.txt changes.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,8 +19,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/pip" install -q --disable-pip-version-check -r "$root/requirements.txt"
   echo "$want" > "$stamp"
 fi
+# the project itself, editable, so any kernel or script in this venv imports specflash from here
+if ! "$venv/bin/pip" show -q specflash >/dev/null 2>&1; then
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" 2>/dev/null \
+    || "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -e "$root"
+fi
 export PATH="$venv/bin:$PATH"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # notebooks' kernels import specflash from here
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # app/ and tests/ import from the repo root
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 export TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}"
 cd "$root"

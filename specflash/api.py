@@ -17,7 +17,7 @@ import torch
 from .config import SamplingConfig, config_to_dict
 from .drafters import Drafter, build_drafter
 from .engine import Decoding
-from .errors import EmptyPromptError
+from .errors import EmptyPromptError, SamplingConfigError
 from .metrics import summarize
 from .models.target import TargetModel
 from .trace import RunRecord, StepRecord
@@ -79,19 +79,34 @@ def stream(
     options: dict[str, Any] | None = None,
     stop_on_eos: bool = True,
     cache_dir: Path | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
 ) -> Decoding:
     """An iterable of StepRecords, one per target forward (the first is the prefill).
 
     `drafter` is a path/preset of the drafter model where the method needs one, or a ready
-    Drafter; `options` are the method's knobs (e.g. {"k": 4}).
+    Drafter; `options` are the method's knobs (e.g. {"k": 4}). Sampling is set either by the
+    plain keywords `temperature`, `top_p`, `top_k`, `seed` (as transformers' generate takes
+    them) or by a `sampling` SamplingConfig, not both; the default is greedy.
     """
-    sampling = sampling or SamplingConfig()
+    sampling = sampling_from(sampling, temperature, top_p, top_k, seed)
     ids = encode_prompt(target, prompt, raw)
     if isinstance(drafter, Drafter):
         built = drafter
     else:
         built = build_drafter(method, target, options, drafter, cache_dir=cache_dir)
     return Decoding(target, built, ids, sampling, max_new_tokens, stop_on_eos)
+
+
+def sampling_from(sampling: SamplingConfig | None, temperature: float | None = None, top_p: float | None = None,
+                  top_k: int | None = None, seed: int | None = None) -> SamplingConfig:
+    """One SamplingConfig from either a ready one or the plain keywords (unset ones keep their defaults)."""
+    given = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).items() if v is not None}
+    if sampling is not None and given:
+        raise SamplingConfigError(f"pass either sampling= or {', '.join(given)}=, not both")
+    return sampling or SamplingConfig(**given)
 
 
 def pack_run(decoding: Decoding, steps: list[StepRecord], method: str, finish_reason: str | None = None) -> RunRecord:
@@ -149,15 +164,19 @@ def generate_batch(
     stop_on_eos: bool = True,
     cache_dir: Path | None = None,
     batch_cost: list[float] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
 ) -> BatchRun:
     """Decode every prompt at once with `method` (ar, dflash or adaflash); each row's output is
     what generate() gives for that prompt alone at temperature 0. Arguments as stream();
     `drafter` may also be a ready single-sequence Drafter (its network is shared) or a
     BatchDrafter; `batch_cost` overrides AdaFlash's verify-cost curve (default: measured at
-    this batch size). Row b samples with seed sampling.seed + b."""
+    this batch size). Row b samples with seed sampling.seed + b. Sampling keywords as stream()."""
     from .batch import BatchDecoding, BatchDrafter, batch_drafter, build_batch_drafter  # loads the DFlash modules
 
-    sampling = sampling or SamplingConfig()
+    sampling = sampling_from(sampling, temperature, top_p, top_k, seed)
     ids = [encode_prompt(target, p, raw) for p in prompts]
     if isinstance(drafter, BatchDrafter):
         built = drafter

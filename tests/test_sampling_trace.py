@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specflash.config import SamplingConfig
@@ -60,3 +61,23 @@ def test_run_record_json_round_trip():
     again = RunRecord.from_json(run.to_json())
     assert again == run
     assert RunRecord.from_dict({**run.to_dict(), "text": "extra keys are ignored"}) == run
+
+
+def test_plain_sampling_keywords_mean_the_same_as_a_sampling_config(tiny_targets):
+    from specflash.api import generate, generate_batch
+    from specflash.errors import SamplingConfigError
+
+    target = tiny_targets["llama"]
+    ids = target.tokenizer("The quick brown fox")["input_ids"]
+    by_config = generate(target, ids, "pld", max_new_tokens=12, sampling=SamplingConfig(temperature=0.7, top_p=0.9, seed=3))
+    by_keywords = generate(target, ids, "pld", max_new_tokens=12, temperature=0.7, top_p=0.9, seed=3)
+    assert by_keywords.output_ids == by_config.output_ids
+    assert by_keywords.sampling == by_config.sampling == {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 3}
+    other_seed = [generate(target, ids, "ar", max_new_tokens=12, temperature=1.0, seed=s).output_ids for s in range(4)]
+    assert len({tuple(o) for o in other_seed}) > 1  # the keyword seed really seeds
+    batch = generate_batch(target, [ids], "ar", max_new_tokens=12, temperature=0.7, top_p=0.9, seed=3)
+    assert batch.runs[0].sampling == by_config.sampling
+    with pytest.raises(SamplingConfigError, match="not both"):
+        generate(target, ids, "ar", sampling=SamplingConfig(), temperature=0.5)
+    with pytest.raises(SamplingConfigError, match="top_p"):
+        generate(target, ids, "ar", top_p=0.0)
