@@ -99,13 +99,17 @@ def stats_markdown(run: RunRecord) -> str:
     m = run.metrics
     if not m:
         return ""
+
+    def per_step(key: str, digits: int) -> str:  # a run whose only token came from the prefill has none
+        return f"{m[key]:.{digits}f}" if m["decode_steps"] else "n/a (no decode step)"
+
     rows = [
         ("method", run.method), ("model", run.model), ("device", run.device),
         ("new tokens", m["new_tokens"]), ("target forwards (decode)", m["decode_steps"]),
-        ("mean_acceptance_length", f"{m['mean_acceptance_length']:.2f}"),
-        ("draft_acceptance_rate", f"{m['draft_acceptance_rate']:.2f}"),
-        ("tokens_per_s (decode)", f"{m['tokens_per_s']:.1f}"),
-        ("verified_per_committed", f"{m['verified_per_committed']:.2f}"),
+        ("mean_acceptance_length", per_step("mean_acceptance_length", 2)),
+        ("draft_acceptance_rate", per_step("draft_acceptance_rate", 2)),
+        ("tokens_per_s (decode)", per_step("tokens_per_s", 1)),
+        ("verified_per_committed", per_step("verified_per_committed", 2)),
         ("finish", run.finish_reason),
     ]
     gate = gate_summary(run.steps)

@@ -215,6 +215,24 @@ def test_compare_rows_and_figures_are_labelled_with_the_device(runs):
         assert "measured on cpu" in fig.layout.title.text
     hist = views_compare.acceptance_figure(chosen).data
     assert any(t.type == "bar" and t.name == "pld" for t in hist)
+    colours = {}
+    for trace in hist:  # the histogram's bars take the colour their legend entry shows
+        colour = trace.marker.color if trace.type == "bar" else trace.line.color
+        assert colours.setdefault(trace.name, colour) == colour
+    assert len(set(colours.values())) == len(colours)
+    lines = [shape for shape in views_compare.compare_figure(chosen).layout.shapes if shape.y0 == shape.y1 == 1.0]
+    assert len(lines) == 1 and lines[0].yref == "y3"  # the 1.0 line sits on the speedup chart
+
+
+def test_compare_says_what_identical_means_and_has_no_rate_for_one_token(runs):
+    sampled = RunRecord.from_dict({**runs["pld"].to_dict(), "sampling": {**runs["pld"].sampling, "temperature": 0.7}})
+    rows = views_compare.compare_rows([runs["ar"], sampled])
+    assert rows[1][8] == "sampled: equal in distribution, not token for token"
+    one = RunRecord.from_dict({**runs["ar"].to_dict(), "steps": runs["ar"].to_dict()["steps"][:1]})
+    one.metrics = {**runs["ar"].metrics, "decode_steps": 0, "tokens_per_s": 0.0, "mean_acceptance_length": 0.0}
+    row = views_compare.compare_rows([one])[0]
+    assert row[3] == row[4] == "n/a"
+    assert "| mean_acceptance_length | n/a (no decode step) |" in views.stats_markdown(one)
 
 
 def test_options_come_from_the_method_configs():
