@@ -17,7 +17,6 @@ import torch
 from .config import SamplingConfig
 from .drafters.base import Drafter
 from .errors import ContextLengthError, EmptyPromptError, TokenLimitError
-from .kv import keep_rows
 from .models.target import TargetModel
 from .sampling import choose, probabilities
 from .trace import StepRecord
@@ -138,6 +137,7 @@ class Decoding:
         tree = draft.tree
 
         # 3. Verify: one target forward over [last, draft..., lookahead...]; walk the draft.
+        saved = self.target.checkpoint(cache)
         out = self._verify_forward(context[-1], draft, cache, start)
         probs = probabilities(out.logits[: len(tree) + 1], self.sampling)  # [n+1, V]
         if self.sampling.greedy:
@@ -147,7 +147,8 @@ class Decoding:
 
         # 4. Commit: keep the root and the accepted path in the target cache, drop the rest.
         kept_rows = [0] + [node + 1 for node in verdict.path]
-        keep_rows(cache, start, kept_rows)
+        fed = [context[-1], *tree.tokens, *(draft.lookahead.tokens if draft.lookahead else [])]
+        self.target.keep(cache, start, fed, kept_rows, saved)
         if out.features is not None:
             self.drafter.observe(out.features[kept_rows])
         sync_device(device)

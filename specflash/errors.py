@@ -59,3 +59,8 @@ class ConversionError(SpecFlashError):
 
 class UnbatchableMethodError(SpecFlashError):
     """A method asked to decode a batch that only decodes one sequence at a time."""
+
+
+class UnsupportedModelError(SpecFlashError):
+    """A model family the engine cannot serve (or not with the chosen method): names the family
+    and what is missing."""

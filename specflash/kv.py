@@ -1,24 +1,76 @@
-"""KV-cache rollback and path compaction: the only code that touches cache internals.
+"""Target caches: building them, rolling them back and compacting them. The only code that
+touches cache internals.
 
-After a verification forward the cache holds keys/values for every fed token; only the root and
-the accepted path may stay. A chain keeps a prefix (crop the tail). A tree keeps scattered rows,
-which are gathered into consecutive slots so the cache again reads as sequential decoding.
+After a verification forward the cache holds entries for every fed token; only the root and the
+accepted path may stay. Attention layers hold one key/value row per token: a chain keeps a prefix
+(crop the tail), a tree keeps scattered rows, which are gathered into consecutive slots so the
+cache again reads as sequential decoding.
+
+Recurrent layers (linear attention such as Gated DeltaNet, short convolutions) hold one state
+per sequence that every fed token has already updated, so nothing can be cropped out of it. For
+those a `Checkpoint` copies the states before a forward (they are small and independent of the
+context length) and `restore` puts them back; the caller then replays the tokens it keeps.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from transformers import Cache
+from transformers import Cache, DynamicCache, PretrainedConfig
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+)
+
+
+def new_cache(config: PretrainedConfig) -> DynamicCache:
+    """A cache with the model's own recurrent layers, where it has any, and full-length attention
+    layers everywhere else, sliding-window layers included: a sliding cache layer drops what
+    leaves the window, so it cannot be rolled back once full (the model's masks still apply the
+    window)."""
+    cache = DynamicCache(config=config)
+    if not is_recurrent(cache):
+        return DynamicCache()  # plain attention: layers created as the model fills them
+    cache.layers = [_full_length(layer) for layer in cache.layers]
+    return cache
+
+
+def _full_length(layer):
+    if isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
+        return LinearAttentionAndFullAttentionLayer(layer.number_of_states)
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return DynamicLayer()
+    return layer
+
+
+def is_recurrent(cache: Cache) -> bool:
+    """Whether any layer keeps a recurrent (uncroppable) state."""
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
 def cache_len(cache: Cache) -> int:
     return int(cache.get_seq_length())
 
 
+def _crop_attention(cache: Cache, n_tokens: int) -> None:
+    """Drop the last `n_tokens` key/value rows of every attention layer; recurrent states stay."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            DynamicLayer.crop(layer, -n_tokens)
+
+
 def rollback(cache: Cache, n_tokens: int) -> None:
-    """Drop the last `n_tokens` entries."""
-    if n_tokens > 0:
-        cache.crop(-n_tokens)
+    """Drop the last `n_tokens` entries of an attention-only cache (recurrent caches: restore a
+    Checkpoint instead)."""
+    if n_tokens <= 0:
+        return
+    if is_recurrent(cache):
+        raise ValueError("a cache with recurrent layers cannot be cropped: restore a Checkpoint and replay")
+    cache.crop(-n_tokens)
 
 
 def keep_rows(cache: Cache, start: int, rows: list[int]) -> None:
@@ -30,8 +82,60 @@ def keep_rows(cache: Cache, start: int, rows: list[int]) -> None:
     if rows == list(range(len(rows))):
         rollback(cache, total - start - len(rows))
         return
+    if is_recurrent(cache):
+        raise ValueError("a cache with recurrent layers cannot keep scattered rows: verify chains on such targets")
     for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+            continue
         index = torch.tensor(rows, device=layer.keys.device) + start
         # keys/values: [batch, kv_heads, seq, head_dim]
         layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys.index_select(2, index)], dim=2)
         layer.values = torch.cat([layer.values[:, :, :start], layer.values.index_select(2, index)], dim=2)
+
+
+_State = tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None], dict[int, bool]]
+
+
+def _copy(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
+    return {i: None if t is None else t.clone() for i, t in states.items()}
+
+
+@dataclass
+class Checkpoint:
+    """A cache as it was at `length` entries: copies of every recurrent layer's conv and
+    recurrent states (by layer index); attention layers are cropped back to `length`."""
+
+    length: int
+    states: dict[int, _State]
+
+
+@torch.inference_mode()  # the states are inference tensors; copies of them must be too
+def checkpoint(cache: Cache) -> Checkpoint:
+    states = {
+        i: (_copy(layer.conv_states), _copy(layer.recurrent_states), dict(layer.has_previous_state))
+        for i, layer in enumerate(cache.layers)
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+    }
+    return Checkpoint(cache_len(cache), states)
+
+
+def _put(current: dict[int, torch.Tensor | None], saved: dict[int, torch.Tensor | None]) -> None:
+    for i, tensor in saved.items():
+        if tensor is None:
+            if current[i] is not None:
+                current[i].zero_()
+        elif current[i] is not None and current[i].shape == tensor.shape:
+            current[i].copy_(tensor)  # in place: the layer may hold a static address for graphs
+        else:
+            current[i] = tensor.clone()
+
+
+@torch.inference_mode()
+def restore(cache: Cache, saved: Checkpoint) -> None:
+    """Put the cache back as it was when `saved` was taken (only forwards since then undone)."""
+    _crop_attention(cache, cache_len(cache) - saved.length)
+    for i, (conv, recurrent, previous) in saved.states.items():
+        layer = cache.layers[i]
+        _put(layer.conv_states, conv)
+        _put(layer.recurrent_states, recurrent)
+        layer.has_previous_state.update(previous)

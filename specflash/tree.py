@@ -73,14 +73,29 @@ class DraftTree:
         return [root_position] + [root_position + d for d in self.depths()]
 
 
-def additive_mask(allow: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(
+    allow: torch.Tensor,
+    prefix_len: int,
+    dtype: torch.dtype,
+    positions: list[int] | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """[T, T] bool tree mask -> [1, 1, T, prefix_len + T] additive float mask (0 = visible).
 
     Float, not bool: eager attention adds the mask to the scores, so a bool mask is silently wrong
-    there while SDPA accepts both.
+    there while SDPA accepts both. With a sliding `window`, a row at position p also loses every
+    key at position p - window or earlier (the model's own windowed masks use the same rule), so
+    each node sees the last `window` positions of its own path: prefix entry j sits at position j,
+    fed rows at `positions`.
     """
     t = allow.shape[0]
     full = torch.ones(t, prefix_len + t, dtype=torch.bool)
     full[:, prefix_len:] = allow
+    if window is not None:
+        if positions is None:
+            raise ValueError("a windowed tree mask needs the rows' positions")
+        query = torch.tensor(positions)
+        key = torch.cat([torch.arange(prefix_len), query])
+        full &= key[None, :] > query[:, None] - window
     mask = torch.zeros(1, 1, t, prefix_len + t, dtype=dtype)
     return mask.masked_fill(~full, torch.finfo(dtype).min)

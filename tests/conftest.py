@@ -13,12 +13,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specflash.models.target import TargetModel
-from specflash.models.tiny import TINY_ARCHS, ensure_tiny_model
+from specflash.models.tiny import FAMILY_ARCHS, TINY_ARCHS, ensure_tiny_model
 
 # Tiny models are all per-op overhead: one thread is 3x faster than two fighting over 2 cores.
 torch.set_num_threads(1)
 
 LOSSLESS_ARCHS = ("llama", "qwen3", "qwen2")
+HYBRID_ARCHS = ("qwen3_5", "qwen3_next")  # Gated DeltaNet layers interleaved with full attention
+WINDOW_ARCHS = ("gpt_oss", "mistral_window")  # sliding windows of 8, shorter than the test prompts
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +44,27 @@ def tiny_targets(tiny_dirs):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         out[arch] = TargetModel(model, AutoTokenizer.from_pretrained(path), name=str(path))
     return out
+
+
+def load_target(path) -> TargetModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return TargetModel(model, AutoTokenizer.from_pretrained(path), name=str(path))
+
+
+@pytest.fixture(scope="session")
+def family_target(tiny_root):
+    """family_target(arch, seed=0): a hybrid or sliding-window target (FAMILY_ARCHS), built on
+    first use; hybrids get 4 layers (linear, full, linear, full)."""
+    made: dict[tuple[str, int], TargetModel] = {}
+
+    def get(arch: str, seed: int = 0) -> TargetModel:
+        assert arch in FAMILY_ARCHS, arch
+        if (arch, seed) not in made:
+            layers = 4 if arch in HYBRID_ARCHS else 2
+            made[arch, seed] = load_target(ensure_tiny_model(arch, tiny_root, seed=seed, layers=layers))
+        return made[arch, seed]
+
+    return get
 
 
 def hf_greedy(target: TargetModel, ids: list[int], max_new_tokens: int) -> list[int]:

@@ -106,6 +106,7 @@ class BatchTarget:
     """The target's batched forwards: a left-padded prefill and per-row verification blocks."""
 
     def __init__(self, target: TargetModel) -> None:
+        target.family.check_batch()
         self.target = target
 
     @torch.inference_mode()

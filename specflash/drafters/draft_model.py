@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..config import DraftModelConfig
 from ..errors import DrafterMismatchError, MethodConfigError
-from ..kv import cache_len, rollback
+from ..kv import Checkpoint, cache_len, checkpoint, is_recurrent, new_cache, restore, rollback
 from ..sampling import choose, probabilities
 from ..tree import DraftTree
 from .base import Draft, Drafter
@@ -43,8 +43,23 @@ class DraftModelDrafter(Drafter):
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
-        self.cache = DynamicCache()  # full-length layers: rollback works past any sliding window
+        self.cache = new_cache(self.model.config)  # full-length layers: rollback works past any sliding window
         self.cached: list[int] = []
+        # A recurrent drafter (linear attention) cannot crop its cache: it keeps a checkpoint per
+        # token it feeds while drafting and goes back to the one at the accepted length.
+        self.saved: dict[int, Checkpoint] = {}
+
+    def _rewind(self, keep: int) -> None:
+        """Forget every cached token after the first `keep`."""
+        if not is_recurrent(self.cache):
+            rollback(self.cache, len(self.cached) - keep)
+        else:
+            if keep < len(self.cached) and keep in self.saved:
+                restore(self.cache, self.saved[keep])
+            elif keep < len(self.cached):  # no checkpoint there (the context changed): start over
+                self.cache, keep = new_cache(self.model.config), 0
+            self.saved = {keep: self.saved[keep]} if keep in self.saved else {}  # the context only grows
+        del self.cached[keep:]
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         """Pad or cut the drafter's logits to the target's vocabulary width."""
@@ -66,6 +81,8 @@ class DraftModelDrafter(Drafter):
             logits_to_keep=1,
         )
         self.cached.extend(ids)
+        if is_recurrent(self.cache):
+            self.saved[len(self.cached)] = checkpoint(self.cache)
         return self._fit(out.logits[0, -1].float())
 
     @torch.inference_mode()
@@ -79,8 +96,7 @@ class DraftModelDrafter(Drafter):
             if a != b:
                 break
             keep += 1
-        rollback(self.cache, len(self.cached) - keep)
-        del self.cached[keep:]
+        self._rewind(keep)
         # 2. Draft k tokens autoregressively from the same shaped distribution as the target.
         logits = self._feed(context[keep:])
         tokens, dists = [], []

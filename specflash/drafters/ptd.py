@@ -176,5 +176,7 @@ CONFIG = PTDConfig
 
 
 def build(target, cfg: PTDConfig, drafter: str | None, cache_dir: Path | None = None) -> PTDDrafter:
-    """PTD needs nothing but the target: its EOS ids and context length."""
+    """PTD needs nothing but the target (its EOS ids and context length), and tree verification
+    on it: a target with recurrent layers cannot verify trees, which this says before decoding."""
+    target.family.check_trees()
     return PTDDrafter(cfg, target.eos_ids, target.context_length)

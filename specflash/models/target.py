@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..tree import DraftTree, additive_mask
+from ..kv import Checkpoint, checkpoint, keep_rows, new_cache, restore
+from ..tree import DraftTree
+from .family import Family
 
 
 def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
@@ -48,6 +50,7 @@ class TargetModel:
     def __post_init__(self) -> None:
         self.model.eval()
         self.layers = _decoder_layers(self.model)
+        self.family = Family.of(self.model)
 
     @property
     def config(self):
@@ -93,15 +96,32 @@ class TargetModel:
     @property
     def sliding_window(self) -> int | None:
         """The attention window of sliding-window layers, if the model has any."""
-        window = getattr(self.config, "sliding_window", None)
-        layer_types = getattr(self.config, "layer_types", None) or []
-        uses_window = getattr(self.config, "use_sliding_window", True) or "sliding_attention" in layer_types
-        return int(window) if window and uses_window else None
+        return self.family.window
 
     def new_cache(self) -> DynamicCache:
-        """A cache of full-length layers, even for sliding-window models (the model's own masks
-        still apply the window): sliding cache layers cannot be rolled back once full."""
-        return DynamicCache()
+        """An empty cache whose every layer can be rolled back (kv.new_cache)."""
+        return new_cache(self.model.config)
+
+    def checkpoint(self, cache: DynamicCache) -> Checkpoint | None:
+        """What `keep` needs to undo a verification forward: recurrent states cannot be cropped,
+        so they are copied first; None for attention-only caches, which crop."""
+        return checkpoint(cache) if self.family.recurrent else None
+
+    def keep(self, cache: DynamicCache, start: int, fed: list[int], rows: list[int], saved: Checkpoint | None) -> None:
+        """After `fed` went in at `start`, keep the entries of `rows` (offsets into `fed`) in order.
+
+        Attention caches gather those rows. Recurrent caches go back to `saved` (taken before the
+        forward) and replay the kept tokens, unless every fed token is kept; that replay is a
+        chain forward of the accepted length, the price of states that cannot be cropped."""
+        if saved is None:
+            keep_rows(cache, start, rows)
+            return
+        if rows == list(range(len(fed))):
+            return
+        if rows != list(range(len(rows))):
+            raise ValueError("a recurrent cache keeps a prefix of a chain; trees cannot be verified on it")
+        restore(cache, saved)
+        self.forward([fed[r] for r in rows], cache, start, last_only=True)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits [..., V] from outputs of its last decoder layer [..., H]: its final
@@ -151,26 +171,24 @@ class TargetModel:
         device = self.device
         input_ids = torch.tensor([ids], device=device)
         if allow is None:
-            positions = torch.arange(start, start + len(ids), device=device)[None]
+            position_ids = torch.arange(start, start + len(ids), device=device)[None]
+            mask = None
+        else:
+            mask = self.family.tree_mask(allow, start, positions, self.dtype)
+            mask = {k: m.to(device) for k, m in mask.items()} if isinstance(mask, dict) else mask.to(device)
+            position_ids = torch.tensor([positions], device=device)
+        try:
             out = self.model(
                 input_ids=input_ids,
-                position_ids=positions,
+                position_ids=position_ids,
+                attention_mask=mask,
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
             )
-        else:
-            window = self.sliding_window
-            if window is not None and start + len(ids) > window:
-                raise NotImplementedError(
-                    f"tree attention past the {window}-token sliding window is not supported; "
-                    "use a chain method or a shorter context"
-                )
-            position_ids = torch.tensor([positions], device=device)
-            mask = additive_mask(allow, start, self.dtype).to(device)
-            out = self.model(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True
-            )
+        except (IndexError, KeyError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
+            self._captured.clear()
+            raise self.family.unsupported(exc) from exc
         features = None
         if self._hooked:
             features = torch.cat([self._captured[i][0] for i in self._hooked], dim=-1)

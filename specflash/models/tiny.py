@@ -23,6 +23,19 @@ from transformers import (
 )
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "qwen3", "qwen2", "mistral")
+# Families whose caches are not plain KV, built on demand only (tests of hybrid and windowed targets):
+# name -> (transformers model type, config overrides). Windows of 8 are shorter than any test prompt.
+_FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen3_5": ("qwen3_5_text", dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                                     linear_num_key_heads=2, linear_num_value_heads=4)),
+    "qwen3_next": ("qwen3_next", dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32)),
+    "gpt_oss": ("gpt_oss", dict(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
+    "mistral_window": ("mistral", dict(sliding_window=8)),
+}
+FAMILY_ARCHS: tuple[str, ...] = tuple(_FAMILIES)
 _VOCAB_SIZE = 384
 _SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 _CHAT_TEMPLATE = (
@@ -67,8 +80,9 @@ def _tokenizer() -> PreTrainedTokenizerFast:
 def tiny_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, **special_ids: int):
     """A small config of the given architecture; `initializer_range` is large so logits are peaked,
     which keeps greedy argmax far from ties (ties would make fp-rounding flip tokens)."""
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {', '.join(TINY_ARCHS)}")
+    if arch not in TINY_ARCHS + FAMILY_ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {', '.join(TINY_ARCHS + FAMILY_ARCHS)}")
+    model_type, overrides = _FAMILIES.get(arch, (arch, {}))
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -83,7 +97,9 @@ def tiny_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, *
     )
     if arch == "qwen3":
         kwargs["head_dim"] = hidden // 4
-    return AutoConfig.for_model(arch, **kwargs)
+    if "linear_num_key_heads" in overrides:  # hybrid: linear attention first, full attention every second layer
+        kwargs["layer_types"] = ["full_attention" if i % 2 else "linear_attention" for i in range(layers)]
+    return AutoConfig.for_model(model_type, **{**kwargs, **overrides})
 
 
 def build_tiny_model(arch: str, out_dir: Path, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
