@@ -29,14 +29,27 @@ from ..kv import rollback
 from ..models.target import TargetModel
 
 
-def batch_mask(cache_valid: torch.Tensor, block_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def batch_mask(
+    cache_valid: torch.Tensor,
+    block_valid: torch.Tensor,
+    dtype: torch.dtype,
+    window: int | None = None,
+    block_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Additive mask [B, 1, T, S + T]: query t of row b sees row b's valid cache slots, the valid
-    block slots up to t, and always itself. cache_valid [B, S], block_valid [B, T] (bool)."""
+    block slots up to t, and always itself. cache_valid [B, S], block_valid [B, T] (bool).
+
+    With a sliding `window`, a query at position p also loses keys at p - window or earlier:
+    row b's valid cache slots hold its positions 0, 1, ... in order (compaction keeps the
+    order), and its block slots sit at `block_pos` [B, T]."""
     b, t = block_valid.shape
     device = block_valid.device
     causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     block = (causal[None] & block_valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=device)[None]  # [B, T, T]
     allow = torch.cat([cache_valid[:, None, :].expand(b, t, -1), block], dim=-1)  # [B, T, S + T]
+    if window is not None:
+        key_pos = torch.cat([cache_valid.long().cumsum(dim=1) - 1, block_pos], dim=1)  # [B, S + T]
+        allow &= key_pos[:, None, :] > block_pos[:, :, None] - window
     mask = torch.zeros(b, 1, t, allow.shape[-1], dtype=dtype, device=device)
     return mask.masked_fill(~allow[:, None], torch.finfo(dtype).min)
 
@@ -121,7 +134,7 @@ class BatchTarget:
         positions = (slots - (width - lengths)[:, None]).clamp_min(0)  # [B, P]; pads at 0
         empty = torch.zeros(len(prompts), 0, dtype=torch.bool, device=device)
         state = BatchCache(self.target.new_cache(), empty)
-        out = self._forward(ids, positions, batch_mask(empty, valid, self.target.dtype), state.cache, last_only=True)
+        out = self._forward(ids, positions, self._mask(empty, valid, positions), state.cache, last_only=True)
         state.valid = valid
         return state, out
 
@@ -131,15 +144,16 @@ class BatchTarget:
     ) -> BatchOutput:
         """Feed ids [B, T] (root, drafts, pads) at positions root_pos[b] + t on top of the cache;
         block_valid [B, T] marks the real (non-pad) positions."""
-        t = ids.shape[1]
-        window = self.target.sliding_window
-        if window is not None and int(root_pos.max()) + t > window:
-            raise NotImplementedError(
-                f"batched decoding past the {window}-token sliding window is not supported; use a shorter context"
-            )
-        positions = root_pos[:, None] + torch.arange(t, device=ids.device)[None]  # [B, T]
-        mask = batch_mask(state.valid, block_valid, self.target.dtype)
-        return self._forward(ids, positions, mask, state.cache)
+        positions = root_pos[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]  # [B, T]
+        return self._forward(ids, positions, self._mask(state.valid, block_valid, positions), state.cache)
+
+    def _mask(self, cache_valid: torch.Tensor, block_valid: torch.Tensor, positions: torch.Tensor):
+        """The attention mask(s) of a forward: windowed layers get the window (Family.layer_masks)."""
+        dtype, window = self.target.dtype, self.target.sliding_window
+        full = batch_mask(cache_valid, block_valid, dtype)
+        if window is None:
+            return full
+        return self.target.family.layer_masks(full, batch_mask(cache_valid, block_valid, dtype, window, positions))
 
     def _forward(self, ids, positions, mask, cache, last_only: bool = False) -> BatchOutput:
         out = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,

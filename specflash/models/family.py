@@ -80,10 +80,14 @@ class Family:
         self.check_trees()
         if self.window is None:
             return additive_mask(allow, start, dtype)
-        windowed = additive_mask(allow, start, dtype, positions, self.window)
-        if SLIDING not in self.layer_types:  # no per-layer types: the window applies everywhere (Mistral)
+        return self.layer_masks(additive_mask(allow, start, dtype), additive_mask(allow, start, dtype, positions, self.window))
+
+    def layer_masks(self, full: torch.Tensor, windowed: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The attention_mask argument when windowed layers need `windowed` and the rest `full`:
+        one mask per layer type where the config names them, else the windowed one (Mistral)."""
+        if SLIDING not in self.layer_types:
             return windowed
-        return {FULL: additive_mask(allow, start, dtype), SLIDING: windowed}
+        return {FULL: full, SLIDING: windowed}
 
     def unsupported(self, exc: Exception) -> UnsupportedModelError:
         """A model forward that failed inside transformers: what SpecFlash asked of which family."""
