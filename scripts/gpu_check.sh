@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# For a GPU host: the lossless tests on CUDA, then a short benchmark and a batch sweep, in one call of a few minutes.
+# For a GPU host: the lossless tests on CUDA, then a short benchmark and a batch sweep, in one call of a few minutes;
+# then the hybrid and sliding-window presets (qwen3.5-4b, gpt-oss-20b) where their files are in the hub cache
+# (elsewhere each says in one line what to download).
 # Results go to ${OUT:-gpu-out}/. Assumes torch with CUDA is already installed in the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,3 +16,8 @@ timeout 200 python -m specflash bench --model smollm2-135m --device cuda --metho
 timeout 200 python -m specflash bench --model smollm2-135m --device cuda --methods ar,dflash,adaflash,adaflash:head \
   --batch-sizes 1,4,16,32 --prompts-per-domain 2 --max-new-tokens 64 --repeats 3 --out "$out/bench-batch.json" 2>&1 \
   | tee "$out/bench-batch.txt"
+for preset in qwen3.5-4b gpt-oss-20b; do
+  timeout 300 python -m specflash bench --model "$preset" --device cuda --methods ar,pld,dflash \
+    --prompts-per-domain 1 --max-new-tokens 64 --repeats 1 --out "$out/bench-$preset.json" 2>&1 \
+    | tee "$out/bench-$preset.txt" || true
+done

@@ -10,12 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import LOSSLESS_ARCHS, hf_greedy
+from conftest import HYBRID_ARCHS, LOSSLESS_ARCHS, WINDOW_ARCHS, hf_greedy
 from specflash.api import generate
 from specflash.config import DraftModelConfig, PromptLookupConfig, SamplingConfig
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
 from specflash.models.target import TargetModel
+from specflash.models.tiny import ensure_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,3 +70,18 @@ def test_cuda_batched_rows_equal_their_own_greedy(cuda_targets, method):
                "adaflash": AdaFlashDrafter(model, AdaFlashConfig(gate=False, rule="fixed", fixed_len=2))}[method]
     batch = generate_batch(target, prompts, method=method, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
     assert [run.output_ids for run in batch.runs] == [hf_greedy(target, ids, 24) for ids in prompts]
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS + WINDOW_ARCHS)
+def test_cuda_hybrid_and_windowed_targets_equal_transformers(tiny_root, arch):
+    """Recurrent-state rollback (hybrids) and windowed tree masks (ptd) on CUDA, far past the window."""
+    path = ensure_tiny_model(arch, tiny_root, layers=4 if arch in HYBRID_ARCHS else 2)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda")
+    target = TargetModel(model, AutoTokenizer.from_pretrained(path), name=arch)
+    ids = target.tokenizer("The quick brown fox jumps over the lazy dog. " * 3).input_ids
+    ref = hf_greedy(target, ids, 40)
+    drafters = [PromptLookupDrafter(PromptLookupConfig()), DraftModelDrafter(target.model, DraftModelConfig(k=4), target.vocab_size)]
+    for drafter in drafters:
+        assert generate(target, ids, max_new_tokens=40, drafter=drafter).output_ids == ref
+    if arch in WINDOW_ARCHS:
+        assert generate(target, ids, method="ptd", max_new_tokens=40).output_ids == ref

@@ -36,6 +36,25 @@ def test_registry_has_the_documented_presets():
         assert preset.name == name and preset.description and preset.source
 
 
+@pytest.mark.parametrize("name,target,dflash,block", [
+    ("qwen3.5-4b", "Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", "block 16"),
+    ("gpt-oss-20b", "openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", "block 8"),
+])
+def test_hybrid_and_windowed_presets(name, target, dflash, block):
+    preset = get_preset(name)
+    assert preset.target == target and preset.drafters["dflash"] == dflash and not preset.offline
+    assert block in preset.description
+    assert f"hf download {target}" in preset.source and f"hf download {dflash}" in preset.source
+    _skip_if_cached(target)
+    start = time.perf_counter()
+    with pytest.raises(PresetUnavailableError, match=f"hf download {target}"):
+        resolve_target(name)
+    assert time.perf_counter() - start < 2.0
+    _skip_if_cached(dflash)
+    with pytest.raises(PresetUnavailableError, match=f"hf download {dflash}"):
+        resolve_drafter(name, "dflash")
+
+
 def test_unknown_preset_lists_the_known_names():
     with pytest.raises(UnknownPresetError) as info:
         get_preset("no-such-model")

@@ -64,6 +64,20 @@ def _qwen3(size: str) -> Preset:
     )
 
 
+def _hub(name: str, repo: str, dflash: str, description: str, draft: str | None = None) -> Preset:
+    """A GPU-host preset from the hub: the target, its released DFlash drafter, and optionally a
+    small same-tokenizer draft model."""
+    repos = " and ".join(f"`hf download {r}`" for r in (repo, dflash, *((draft,) if draft else ())))
+    return Preset(
+        name=name,
+        description=description,
+        target=repo,
+        drafters={"dflash": dflash, **({"draft": draft} if draft else {})},
+        source=f"Hugging Face hub: {repos} on a machine with internet, then copy the hub cache here",
+        offline=False,
+    )
+
+
 _ALL = (
     Preset(
         name="smollm2-135m",
@@ -81,6 +95,12 @@ _ALL = (
     _tiny("mistral", "llama"),
     _qwen3("4B"),
     _qwen3("8B"),
+    _hub("qwen3.5-4b", "Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash",
+         "Qwen3.5-4B (hybrid: Gated DeltaNet and full attention) with the z-lab DFlash drafter (block 16); "
+         "chain methods only (no ptd, no batches); for GPU hosts", draft="Qwen/Qwen3.5-0.8B"),
+    _hub("gpt-oss-20b", "openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash",
+         "gpt-oss-20b (MoE; sliding-window and full attention alternate, with sinks) with the z-lab DFlash "
+         "drafter (block 8); for GPU hosts"),
 )
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 
