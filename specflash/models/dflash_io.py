@@ -1,5 +1,11 @@
 """DFlash checkpoints in the z-lab format: config.json + model.safetensors, read with no remote code.
 
+DFlash 2 checkpoints (`architectures` ["DFlash2DraftModel"]) share the folder layout: their
+config moves `block_size` under `dflash_config`, gives rope as `rope_parameters` and adds the
+convolution and selector keys; their tensors add `layers.N.{attention,mlp}_conv.*` and
+`candidate_selector.*` (models/dflash2.py). `load_drafter` and `save_drafter` dispatch on the
+architecture; a DFlash 1 folder loads exactly as before.
+
 The format is what z-lab releases and what vLLM and SGLang load for `dflash` speculation: a
 Qwen3 config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"]) plus `block_size`,
 `num_target_layers` and `dflash_config {mask_token_id, target_layer_ids}`, and the drafter's own
@@ -11,6 +17,7 @@ drafter against the target before any weight is used, so a mismatch fails with a
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +27,14 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError, DrafterMismatchError
 from .dflash import DFlashDrafter, DFlashSpec, default_target_layers
+from .dflash2 import DFlash2Drafter, DFlash2Spec
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 D2T_FILE = "d2t.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_2 = "DFlash2DraftModel"
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 _IGNORED_PREFIXES = ("thresh_head",)
 
 
@@ -86,6 +96,67 @@ def config_from_spec(spec: DFlashSpec, dtype: torch.dtype, extra: dict[str, Any]
     }
 
 
+def is_dflash2(cfg: dict[str, Any]) -> bool:
+    return ARCHITECTURE_2 in (cfg.get("architectures") or ())
+
+
+def dflash2_spec_from_config(cfg: dict[str, Any]) -> DFlash2Spec:
+    """A DFlash2Spec from a DFlash 2 config.json: the DFlash keys (block_size under dflash_config
+    or, as SGLang also accepts, at the top level) plus the convolution and selector keys."""
+    dflash = cfg.get("dflash_config") or {}
+    missing = [k for k in DFLASH2_KEYS if dflash.get(k) is None]
+    if missing:
+        raise CheckpointError(
+            f"DFlash 2 config.json (architectures {ARCHITECTURE_2}) has no dflash_config.{', '.join(missing)}: "
+            "a DFlash 2 drafter needs its convolutions (conv_kernel_size, conv_group_size) and its candidate "
+            "selector (selector_rank, selector_top_k)"
+        )
+    inner, outer = dflash.get("block_size"), cfg.get("block_size")
+    if inner is not None and outer is not None and int(inner) != int(outer):
+        raise CheckpointError(f"DFlash 2 config.json gives block_size {outer} and dflash_config.block_size {inner}")
+    block = inner if inner is not None else outer
+    base = spec_from_config({**cfg, **({} if block is None else {"block_size": block})})
+    causal = cfg.get("is_causal", dflash.get("causal"))
+    try:
+        return DFlash2Spec(
+            **{f.name: getattr(base, f.name) for f in fields(base)},
+            **{k: int(dflash[k]) for k in DFLASH2_KEYS},
+            layer_types=tuple(cfg.get("layer_types") or ()),
+            sliding_window=None if cfg.get("sliding_window") is None else int(cfg["sliding_window"]),
+            is_causal=None if causal is None else bool(causal),
+            output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+            final_logit_softcapping=float(dflash["final_logit_softcapping"]) if dflash.get("final_logit_softcapping") else None,
+            input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"DFlash 2 config.json has a bad key: {exc}") from None
+
+
+def dflash2_config_from_spec(spec: DFlash2Spec, dtype: torch.dtype, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DFlash 2 release config.json: DFlash's, with the release's differences (z-lab's
+    dflash2-config.json): block_size under dflash_config, rope as rope_parameters, `dtype`, the
+    convolution and selector keys, and the attention layout."""
+    cfg = config_from_spec(spec, dtype)
+    cfg["architectures"] = [ARCHITECTURE_2]
+    cfg["rope_parameters"] = {**(spec.rope_scaling or {"rope_type": "default"}), "rope_theta": spec.rope_theta}
+    for key in ("rope_theta", "rope_scaling", "block_size", "torch_dtype"):
+        del cfg[key]
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    layer_types = list(spec.layer_types) or ["full_attention"] * spec.num_layers
+    cfg.update(layer_types=layer_types, use_sliding_window=spec.sliding_window is not None,
+               sliding_window=spec.sliding_window)
+    if spec.is_causal is not None:
+        cfg["is_causal"] = spec.is_causal
+    dflash = cfg["dflash_config"]
+    dflash["block_size"] = spec.block_size
+    dflash.update({k: getattr(spec, k) for k in DFLASH2_KEYS})
+    for key, default in (("output_multiplier", 1.0), ("final_logit_softcapping", None), ("input_embedding_scale", 1.0)):
+        if getattr(spec, key) != default:
+            dflash[key] = getattr(spec, key)
+    cfg["dflash_config"] = dict(sorted(dflash.items()))
+    return {**cfg, **(extra or {})}
+
+
 def d2t_offsets(draft_ids: torch.Tensor) -> torch.Tensor:
     """Sorted target ids [N] -> EAGLE-3 offsets d2t [N] (target id = draft id + d2t[draft id])."""
     return draft_ids.long().cpu() - torch.arange(len(draft_ids))
@@ -117,7 +188,8 @@ def save_drafter(model: DFlashDrafter, folder: Path | str, dtype: torch.dtype = 
         extra["draft_vocab_size"] = len(model.draft_ids)
     else:
         (folder / D2T_FILE).unlink(missing_ok=True)
-    text = json.dumps(config_from_spec(model.spec, dtype, extra), indent=2) + "\n"
+    write_config = dflash2_config_from_spec if isinstance(model.spec, DFlash2Spec) else config_from_spec
+    text = json.dumps(write_config(model.spec, dtype, extra), indent=2) + "\n"
     (folder / CONFIG_FILE).write_text(text, encoding="utf-8")
     return folder
 
@@ -173,15 +245,39 @@ def load_state(model: DFlashDrafter, tensors: dict[str, torch.Tensor], name: str
     model.load_state_dict(given, strict=True)
 
 
+_SELECTOR, _CONVS = ("candidate_selector.",), (".attention_conv.", ".mlp_conv.")
+
+
+def check_generation(model: DFlashDrafter, tensors: dict[str, torch.Tensor], name: str) -> None:
+    """A clear error when the tensors belong to the other DFlash generation than config.json says:
+    a DFlash 2 checkpoint without its selector or convolutions, or DFlash 2 tensors under a DFlash 1
+    config."""
+    expected = set(model.state_dict())
+    if isinstance(model, DFlash2Drafter):
+        for part, marks in (("candidate selector", _SELECTOR), ("convolutions", _CONVS)):
+            gone = sorted(k for k in expected - set(tensors) if any(m in k for m in marks))
+            if gone:
+                raise CheckpointError(f"{name}: a DFlash 2 checkpoint ({ARCHITECTURE_2}) without its {part}: "
+                                      f"missing {gone[:6]}")
+    elif any(m in k for k in tensors for m in _SELECTOR + _CONVS):
+        raise CheckpointError(f"{name}: has DFlash 2 tensors (candidate_selector.*, *_conv.*) but config.json "
+                              f"declares {ARCHITECTURE}; a DFlash 2 drafter declares {ARCHITECTURE_2}")
+
+
 def load_drafter(folder: Path | str, target) -> DFlashDrafter:
     """A drafter from a z-lab-format folder, on the target's device and dtype, borrowing its
     embedding and LM head; raises CheckpointError or DrafterMismatchError."""
     folder = Path(folder)
     config = read_config(folder)
-    spec = spec_from_config(config)
+    spec = dflash2_spec_from_config(config) if is_dflash2(config) else spec_from_config(config)
     check_fits(spec, target, str(folder))
     tensors = _read_weights(folder / WEIGHTS_FILE)
-    model = new_drafter(spec, target, read_draft_ids(folder, config, target.vocab_size))
+    draft_ids = read_draft_ids(folder, config, target.vocab_size)
+    if isinstance(spec, DFlash2Spec) and draft_ids is not None and spec.selector_top_k > len(draft_ids):
+        raise CheckpointError(f"{folder}: selector_top_k {spec.selector_top_k} exceeds its {len(draft_ids)}-token "
+                              f"draft vocabulary ({D2T_FILE})")
+    model = new_drafter(spec, target, draft_ids)
+    check_generation(model, tensors, str(folder))
     load_state(model, tensors, str(folder))
     return model.to(target.device, target.dtype).eval()
 
@@ -208,7 +304,8 @@ def new_drafter(spec: DFlashSpec, target, draft_ids: torch.Tensor | None = None)
     embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
     for p in (*embed.parameters(), *head.parameters()):
         p.requires_grad_(False)
-    return DFlashDrafter(spec, embed, head, draft_ids).to(target.device, target.dtype)
+    cls = DFlash2Drafter if isinstance(spec, DFlash2Spec) else DFlashDrafter
+    return cls(spec, embed, head, draft_ids).to(target.device, target.dtype)
 
 
 # Named special tokens that chat models never emit, tried in order when a tokenizer has no mask

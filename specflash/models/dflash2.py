@@ -1,0 +1,301 @@
+"""DFlash 2: the DFlash drafter plus a two-tap dynamic convolution around every sublayer and a
+candidate path selector on top of its block.
+
+Written from the reference, not copied from it. Sources read: the z-lab release's test fixtures
+(`z-lab/dflash` tests/fixtures/dflash2-config.json and dflash2-safetensors-header.json: every key
+and tensor shape), vLLM's port (vllm/model_executor/models/qwen3_dflash2.py and
+v1/worker/gpu/spec_decode/dflash2/speculator.py), vLLM speculators' training port, which names
+z-lab/dflash@07ebd93 dflash/model.py as its source (src/speculators/models/dflash2/*), and SGLang's
+config parser (srt/speculative/dflash_utils.py). z-lab's own model.py at that commit was not
+reachable; where the ports agree we follow them.
+
+The convolution (`GroupedDynamicConv`, one before-and-after pair per attention and per MLP
+sublayer). Per block slot t and channel c in group g(c) = c // conv_group_size:
+
+    coef_t = kernel_projection(x_t)                     [2 sides, K taps, G groups]
+    prepare: x'_t = sum_j (base_kernel[0, j, c] + coef_t[0, j, g(c)]) * x_{t-j, c}
+    finish:  y'_t = sum_j (base_kernel[1, j, c] + coef_t[1, j, g(c)]) * y_{t-j, c}
+
+where x is the sublayer's normed input, y = sublayer(x') its output, and h += y'. Taps never
+cross the block boundary: x_{t-j} is zero when t - j is before the block's slot 0 (the anchor).
+Both sides' coefficients come from the one projection of the input. Identity initialisation
+(base_kernel[:, 0] = 1, other taps 0, kernel_projection 0) makes the layer a DFlash layer, so a
+DFlash drafter is a DFlash 2 drafter's starting point. Only the block goes through the
+convolutions; the injected context keys/values are DFlash's, unchanged.
+
+The selector (`CandidateSelector`). Slot t (t = 1..L-1 of the block, the t-th drafted token)
+keeps the top-K of its logits: candidates c_t[0..K-1] ranked by unary score U_t (the logit,
+times `output_multiplier`, soft-capped by `final_logit_softcapping` when the config sets them).
+An edge from candidate a of the previous slot to candidate b of this one scores
+
+    S_t(a, b) = U_t(b) + < A[a] * (W h_t), B[b] >
+
+with A = predecessor_codebook [V, r], B = successor_codebook [V, r], W = hidden_projection
+[r, H] and h_t the drafter's final-normed hidden state at slot t (the one its logits come from).
+Slot 1's predecessor is the anchor (the last verified token). Greedy walks the argmax of
+S_t(previous choice, .) slot by slot (first index on ties, i.e. the higher unary); at
+temperature T > 0 each slot draws from q_t = softmax(S_t(previous choice, .) / T) over its K
+candidates (inverse CDF), and q_t is returned so verification stays exact.
+
+Attention: `layer_types` "sliding_attention" layers see only context positions within
+`sliding_window` of each query; causality inside the block follows vLLM's rule: the top-level
+`is_causal` (or `dflash_config.causal`) when set, else causal exactly on sliding layers. The
+published drafter sets is_causal false (bidirectional blocks, windowed context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dflash import DFlashCache, DFlashDrafter, DFlashLayer, DFlashSpec
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class DFlash2Spec(DFlashSpec):
+    """A DFlash spec plus the DFlash 2 keys of `dflash_config` and the attention layout."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    layer_types: tuple[str, ...] = ()  # one per layer; () = all full attention
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: causal exactly on sliding layers (vLLM's rule)
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.conv_kernel_size < 1 or self.conv_kernel_size > self.block_size:
+            problems.append(f"conv_kernel_size {self.conv_kernel_size} must be in [1, block_size {self.block_size}]")
+        if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            problems.append(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
+        if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
+            problems.append(f"selector_rank {self.selector_rank} and selector_top_k {self.selector_top_k} "
+                            f"must be >= 1, top_k at most vocab_size {self.vocab_size}")
+        if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - {FULL, SLIDING}):
+            problems.append(f"layer_types {list(self.layer_types)} must name {FULL} or {SLIDING} for each of "
+                            f"{self.num_layers} layers")
+        if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            problems.append("sliding_attention layers need a positive sliding_window")
+        if self.output_multiplier <= 0:
+            problems.append(f"output_multiplier must be positive, got {self.output_multiplier}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def layer_attention(self, i: int) -> tuple[int | None, bool]:
+        """(sliding window or None, causal inside the block) of draft layer i."""
+        sliding = bool(self.layer_types) and self.layer_types[i] == SLIDING
+        causal = sliding if self.is_causal is None else self.is_causal
+        return (self.sliding_window if sliding else None), causal
+
+
+class GroupedDynamicConv(nn.Module):
+    """The two-tap (K-tap) grouped dynamic depthwise convolution of one sublayer (module docstring)."""
+
+    def __init__(self, hidden: int, taps: int, group_size: int, block_size: int) -> None:
+        super().__init__()
+        self.taps, self.group_size, self.groups, self.block_size = taps, group_size, hidden // group_size, block_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden))  # [side, tap, channel]
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)  # -> [side, tap, group]
+        self.reset_identity()
+
+    def reset_identity(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, Q, H] (Q: whole blocks) -> the convolved input, and the output side's coefficients."""
+        coef = self.kernel_projection(x).unflatten(-1, (2, self.taps, self.groups))  # [B, Q, 2, K, G]
+        return self._convolve(x, coef[..., 0, :, :], 0), coef[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        return self._convolve(y, coef, 1)
+
+    def _convolve(self, x: torch.Tensor, coef: torch.Tensor, side: int) -> torch.Tensor:
+        q = x.shape[1]
+        slot = torch.arange(q, device=x.device) % self.block_size
+        grouped = x.unflatten(-1, (self.groups, self.group_size))  # [B, Q, G, S]
+        base = self.base_kernel[side].to(x.dtype).unflatten(-1, (self.groups, self.group_size))  # [K, G, S]
+        out = torch.zeros_like(grouped)
+        for j in range(self.taps):
+            shifted = F.pad(grouped, (0, 0, 0, 0, j, 0))[:, :q]  # x_{t-j}, zero before position 0
+            inside = (slot >= j).to(x.dtype)[:, None, None]  # and zero across the block boundary
+            out = out + (base[j] + coef[:, :, j, :, None]) * shifted * inside
+        return out.flatten(-2)
+
+
+class DFlash2Layer(DFlashLayer):
+    """A DFlash layer whose attention and MLP each sit between a convolution's prepare and finish."""
+
+    def __init__(self, spec: DFlash2Spec) -> None:
+        super().__init__(spec)
+        args = (spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size, spec.block_size)
+        self.attention_conv = GroupedDynamicConv(*args)
+        self.mlp_conv = GroupedDynamicConv(*args)
+
+    def forward(self, h, rope, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x, coef = self.attention_conv.prepare(self.input_layernorm(h))
+        h = h + self.attention_conv.finish(self.self_attn(x, rope, ctx_k, ctx_v, mask), coef)
+        x, coef = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), coef)
+
+
+class CandidateSelector(nn.Module):
+    """Scores edges between adjacent slots' top-K candidates (module docstring)."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, rank))  # A
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))  # B
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)  # W
+
+    def scores(self, hidden: torch.Tensor, candidates: torch.Tensor, unary: torch.Tensor, anchor: int) -> torch.Tensor:
+        """S [T, K, K]: S[t, a, b] = unary[t, b] + <A[pred(t, a)] * W h_t, B[candidates[t, b]]>, where
+        pred(0, .) = anchor and pred(t, a) = candidates[t - 1, a]. hidden [T, H]; candidates,
+        unary [T, K]."""
+        first = torch.full_like(candidates[:1], int(anchor))
+        predecessors = torch.cat([first, candidates[:-1]])  # [T, K]
+        context = self.predecessor_codebook[predecessors].float() * self.hidden_projection(hidden).float()[:, None]
+        successors = self.successor_codebook[candidates].float()  # [T, K, r]
+        return unary.float()[:, None, :] + context @ successors.transpose(1, 2)
+
+
+@dataclass
+class Lattice:
+    """One block's selector input: candidates [T, K] ranked by unary score [T, K], edge scores
+    S [T, K, K] (from the previous slot's candidate a to this slot's b), and the anchor."""
+
+    candidates: torch.Tensor
+    unary: torch.Tensor
+    scores: torch.Tensor
+    anchor: int
+
+
+@dataclass
+class Walk:
+    """A path through the lattice: the candidate index chosen per slot, the score row each choice
+    was made from (S_t(previous choice, .)) and the distribution q_t it was drawn from (softmax of
+    the row / T; at T = 0, softmax of the row, for the trace only)."""
+
+    ranks: list[int]
+    rows: torch.Tensor  # [T, K]
+    q: torch.Tensor  # [T, K]
+
+
+def walk(scores: torch.Tensor, temperature: float, uniforms: torch.Tensor | None = None) -> Walk:
+    """Walk S [T, K, K] from the anchor: argmax per slot at temperature 0, else inverse-CDF draws
+    from softmax(row / temperature) with `uniforms` [T] in [0, 1)."""
+    ranks, rows, qs, previous = [], [], [], 0
+    for t in range(scores.shape[0]):
+        row = scores[t, previous]
+        if temperature == 0:
+            q = torch.softmax(row, dim=-1)
+            choice = int(torch.argmax(row))
+        else:
+            q = torch.softmax(row / temperature, dim=-1)
+            choice = int(torch.searchsorted(torch.cumsum(q, 0), uniforms[t].to(q.dtype), right=True))
+            if choice >= len(q):  # u above a cumulative sum that rounded below 1
+                choice = int((q > 0).nonzero()[-1])
+        ranks.append(choice)
+        rows.append(row)
+        qs.append(q)
+        previous = choice
+    return Walk(ranks, torch.stack(rows), torch.stack(qs))
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """A DFlash drafter with DFlash 2 layers and a candidate selector. Without the selector (its
+    `logits`, as DFlash uses them) it drafts independent per-slot argmaxes, like DFlash."""
+
+    def __init__(self, spec: DFlash2Spec, embed: nn.Module, lm_head: nn.Module,
+                 draft_ids: torch.Tensor | None = None) -> None:
+        super().__init__(spec, embed, lm_head, draft_ids)
+        self.layers = nn.ModuleList(DFlash2Layer(spec) for _ in range(spec.num_layers))
+        self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank,
+                                                    spec.selector_top_k)
+
+    def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
+        """DFlash's init, identity convolutions, normal(0, std) codebooks."""
+        super().init_weights(generator, std)
+        for layer in self.layers:
+            layer.attention_conv.reset_identity()
+            layer.mlp_conv.reset_identity()
+        with torch.no_grad():
+            for book in (self.candidate_selector.predecessor_codebook, self.candidate_selector.successor_codebook):
+                book.copy_(torch.randn(book.shape, generator=generator) * std)
+
+    def logits(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """DFlash's logits, times output_multiplier and soft-capped when the config says so."""
+        out = super().logits(hidden, vocab)
+        spec = self.spec
+        if spec.output_multiplier != 1.0:
+            out = out * spec.output_multiplier
+        if spec.final_logit_softcapping:
+            cap = spec.final_logit_softcapping
+            out = torch.where(torch.isfinite(out), torch.tanh(out / cap) * cap, out)  # -inf stays -inf
+        return out
+
+    def lattice(self, hidden: torch.Tensor, anchor: int) -> Lattice:
+        """The selector's lattice for slots with final-normed hidden states [T, H]."""
+        unary, candidates = self.logits(hidden).float().topk(self.spec.selector_top_k, dim=-1)
+        scores = self.candidate_selector.scores(hidden, candidates, unary, anchor)
+        return Lattice(candidates, unary, scores, int(anchor))
+
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        block_pos: torch.Tensor,
+        features: torch.Tensor,
+        ctx_pos: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: DFlashCache | None = None,
+    ) -> torch.Tensor:
+        """As DFlashDrafter.forward (same arguments), with DFlash 2 layers, the input embedding
+        scale and each layer's window and causality. With a cache, its context positions are
+        taken to be 0..S-1, as the engine feeds them."""
+        h = self.embed(block_ids)
+        if self.spec.input_embedding_scale != 1.0:
+            h = h * self.spec.input_embedding_scale
+        rope_blk = self.rotary(h, block_pos)
+        ctx = self.fuse(features)
+        rope_ctx = self.rotary(ctx, ctx_pos)
+        masks: dict[tuple[int | None, bool], torch.Tensor | None] = {}
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, rope_ctx)
+            if cache is not None:
+                k, v = cache.append(i, k, v)
+            rule = self.spec.layer_attention(i)
+            if rule not in masks:
+                masks[rule] = self._layer_mask(rule, mask, block_pos, ctx_pos, k.shape[2])
+            h = layer(h, rope_blk, k, v, masks[rule])
+        return self.norm(h)
+
+    @staticmethod
+    def _layer_mask(rule, mask, block_pos, ctx_pos, n_ctx) -> torch.Tensor | None:
+        """`mask` narrowed by a sliding window over the keys and by causality inside the block."""
+        window, causal = rule
+        if window is None and not causal:
+            return mask
+        b = block_pos.shape[0]
+        cached = torch.arange(n_ctx - ctx_pos.shape[1], device=block_pos.device).expand(b, -1)
+        key_pos = torch.cat([cached, ctx_pos.expand(b, -1), block_pos], dim=1)[:, None, :]  # [B, 1, S + Q]
+        query_pos = block_pos[:, :, None]  # [B, Q, 1]
+        allowed = torch.ones(b, block_pos.shape[1], key_pos.shape[2], dtype=torch.bool, device=block_pos.device)
+        if window is not None:
+            allowed &= key_pos > query_pos - window
+        if causal:
+            in_block = torch.arange(key_pos.shape[2], device=block_pos.device) >= n_ctx
+            allowed &= ~in_block | (key_pos <= query_pos)
+        allowed = allowed[:, None]
+        return allowed if mask is None else mask & allowed
