@@ -49,6 +49,13 @@ METHODS: dict[str, MethodInfo] = {
             "dflash",
         ),
         MethodInfo(
+            "dflash2",
+            "DFlash 2: DFlash with a dynamic convolution in every layer and a path selector over each slot's top-K",
+            "a DFlash 2 drafter checkpoint for the target (--drafter; architectures DFlash2DraftModel)",
+            "dflash2",
+            "dflash2",
+        ),
+        MethodInfo(
             "adaflash",
             "AdaFlash: the DFlash draft cut where acceptance is unlikely, so the target verifies fewer tokens",
             "a DFlash drafter (--drafter; presets ship one); cut rule -o rule=cost|fixed|heuristic|confidence|entropy",
