@@ -19,10 +19,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specflash.config import DraftModelConfig, PromptLookupConfig, SamplingConfig
 from specflash.drafters.base import Draft, Drafter
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
+from specflash.drafters.dflash2 import DFlash2Config, DFlash2EngineDrafter
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
 from specflash.engine import Decoding
 from specflash.models.dflash import DFlashSpec
+from specflash.models.dflash2 import DFlash2Spec
 from specflash.models.dflash_io import new_drafter
 from specflash.models.target import TargetModel
 from specflash.sampling import probabilities
@@ -86,6 +88,22 @@ def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool) -> DFl
     return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=gate), [1.0] * 4 if gate else None)
 
 
+def _dflash2(target: TargetModel) -> DFlash2EngineDrafter:
+    """A random DFlash 2 drafter over the 8-token vocabulary: random convolutions, and a selector
+    walking 4 of the 8 tokens per slot with strong transitions, so its sampled q differs from p."""
+    spec = DFlash2Spec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                       vocab_size=V, block_size=3, num_target_layers=1, target_layer_ids=(0,), mask_token_id=V - 1,
+                       conv_kernel_size=2, conv_group_size=4, selector_rank=4, selector_top_k=4)
+    model = new_drafter(spec, target)
+    gen = torch.Generator().manual_seed(3)
+    model.init_weights(gen, std=0.5)
+    with torch.no_grad():
+        for p in (*(c.kernel_projection.weight for layer in model.layers for c in (layer.attention_conv, layer.mlp_conv)),
+                  model.candidate_selector.predecessor_codebook, model.candidate_selector.successor_codebook):
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return DFlash2EngineDrafter(model.eval(), DFlash2Config(gate=False))
+
+
 def _methods(target):
     other = _model(1)
     return {
@@ -96,6 +114,7 @@ def _methods(target):
         "tree": lambda: TwoBranchDrafter(),
         "dflash-d2t": lambda: _dflash(target, [0, 2, 3, 5], gate=False),
         "dflash-gated": lambda: _dflash(target, None, gate=True),
+        "dflash2": lambda: _dflash2(target),
     }
 
 
@@ -103,7 +122,7 @@ def _tv(counts: dict, exact: dict, n: int) -> float:
     return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
 
 
-@pytest.mark.parametrize("method", ["ar", "draft", "draft-self", "pld", "tree", "dflash-d2t", "dflash-gated"])
+@pytest.mark.parametrize("method", ["ar", "draft", "draft-self", "pld", "tree", "dflash-d2t", "dflash-gated", "dflash2"])
 def test_sampled_output_follows_target(target, method):
     exact = _exact(target)
     joint23: dict = {}
