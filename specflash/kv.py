@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import (
+    CacheLayerMixin,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -54,6 +55,12 @@ def is_recurrent(cache: Cache) -> bool:
 
 def cache_len(cache: Cache) -> int:
     return int(cache.get_seq_length())
+
+
+def _attention_len(cache: Cache) -> int:
+    """Entries in the attention layers; 0 for a cache of recurrent layers only (Mamba), which
+    has no length to ask for."""
+    return max((layer.get_seq_length() for layer in cache.layers if isinstance(layer, CacheLayerMixin)), default=0)
 
 
 def _crop_attention(cache: Cache, n_tokens: int) -> None:
@@ -116,7 +123,7 @@ def checkpoint(cache: Cache) -> Checkpoint:
         for i, layer in enumerate(cache.layers)
         if isinstance(layer, LinearAttentionCacheLayerMixin)
     }
-    return Checkpoint(cache_len(cache), states)
+    return Checkpoint(_attention_len(cache), states)
 
 
 def _put(current: dict[int, torch.Tensor | None], saved: dict[int, torch.Tensor | None]) -> None:
@@ -133,7 +140,7 @@ def _put(current: dict[int, torch.Tensor | None], saved: dict[int, torch.Tensor 
 @torch.inference_mode()
 def restore(cache: Cache, saved: Checkpoint) -> None:
     """Put the cache back as it was when `saved` was taken (only forwards since then undone)."""
-    _crop_attention(cache, cache_len(cache) - saved.length)
+    _crop_attention(cache, _attention_len(cache) - saved.length)
     for i, (conv, recurrent, previous) in saved.states.items():
         layer = cache.layers[i]
         _put(layer.conv_states, conv)

@@ -135,7 +135,7 @@ def test_noisy_drafter_is_partly_accepted(family_target):
 def test_trees_say_why_in_one_line(family_target):
     target = family_target("qwen3_next")
     ids = target.tokenizer(PROMPTS[1]).input_ids
-    with pytest.raises(UnsupportedModelError, match=r"qwen3_next has recurrent .*use ar, draft, pld") as err:
+    with pytest.raises(UnsupportedModelError, match=r"qwen3_next has recurrent layers .*use ar, draft, pld") as err:
         build_drafter("ptd", target)
     assert "\n" not in str(err.value)
 
@@ -151,5 +151,5 @@ def test_batches_say_why_in_one_line(family_target):
     from specflash.api import generate_batch
 
     target = family_target("qwen3_5")
-    with pytest.raises(UnsupportedModelError, match="qwen3_5_text has recurrent .*one prompt at a time"):
+    with pytest.raises(UnsupportedModelError, match="qwen3_5_text has recurrent layers .*one prompt at a time"):
         generate_batch(target, [PROMPTS[0], PROMPTS[1]], method="ar", raw=True, max_new_tokens=4)

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from ..config import DraftModelConfig
 from ..errors import DrafterMismatchError, MethodConfigError
-from ..kv import Checkpoint, cache_len, checkpoint, is_recurrent, new_cache, restore, rollback
+from ..kv import Checkpoint, checkpoint, is_recurrent, new_cache, restore, rollback
 from ..sampling import choose, probabilities
 from ..tree import DraftTree
 from .base import Draft, Drafter
@@ -70,7 +70,7 @@ class DraftModelDrafter(Drafter):
         return torch.cat([logits, pad], dim=-1)
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
-        start = cache_len(self.cache)
+        start = len(self.cached)  # what the cache holds (a Mamba cache cannot say)
         device = next(self.model.parameters()).device
         positions = torch.arange(start, start + len(ids), device=device)[None]
         out = self.model(

@@ -178,5 +178,6 @@ CONFIG = PTDConfig
 def build(target, cfg: PTDConfig, drafter: str | None, cache_dir: Path | None = None) -> PTDDrafter:
     """PTD needs nothing but the target (its EOS ids and context length), and tree verification
     on it: a target with recurrent layers cannot verify trees, which this says before decoding."""
+    target.check_blocks()
     target.family.check_trees()
     return PTDDrafter(cfg, target.eos_ids, target.context_length)

@@ -54,8 +54,9 @@ class Family:
         """Raise the one-line reason when a draft tree (or lookahead) cannot be verified here."""
         if self.recurrent:
             raise UnsupportedModelError(
-                f"{self.name} has recurrent (linear-attention) layers, whose state one forward can only advance "
-                f"along a chain: tree drafts and lookahead tokens cannot be verified on it; use {CHAIN_METHODS}"
+                f"{self.name} has recurrent layers (linear attention, state space or convolution), whose state one "
+                "forward can only advance along a chain: tree drafts and lookahead tokens cannot be verified on it; "
+                f"use {CHAIN_METHODS}"
             )
         other = sorted(set(self.layer_types) - {FULL, SLIDING})
         if other:
@@ -67,9 +68,9 @@ class Family:
         """Raise the one-line reason when rows cannot be decoded as one batch here."""
         if self.recurrent:
             raise UnsupportedModelError(
-                f"{self.name} has recurrent (linear-attention) layers, and batched decoding cannot roll their "
-                "states back row by row (rows keep different numbers of drafted tokens); decode one prompt at a "
-                "time (generate or stream)"
+                f"{self.name} has recurrent layers (linear attention, state space or convolution), and batched "
+                "decoding cannot roll their states back row by row (rows keep different numbers of drafted "
+                "tokens); decode one prompt at a time (generate or stream)"
             )
 
     def tree_mask(

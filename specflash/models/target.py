@@ -9,10 +9,12 @@ Hugging Face causal LMs).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..errors import UnsupportedModelError
 from ..kv import Checkpoint, checkpoint, keep_rows, new_cache, restore
 from ..tree import DraftTree
 from .family import Family
@@ -102,6 +104,37 @@ class TargetModel:
         """An empty cache whose every layer can be rolled back (kv.new_cache)."""
         return new_cache(self.model.config)
 
+    @cached_property
+    def continues_blocks(self) -> bool:
+        """Whether a forward of several tokens on top of a cached recurrent state continues that
+        state, as drafts need. Some mixers restart their scan instead (transformers' Jamba and
+        Mamba-1 have no initial state for it), which only comparing the two ways can tell:
+        4 tokens at once against 2 + 2 on a cache, on this very model."""
+        if not self.family.recurrent:
+            return True
+        ids = torch.arange(4, device=self.device)[None] % self.vocab_size
+        with torch.inference_mode():
+            whole = self.model(input_ids=ids, cache=self.new_cache(), use_cache=True).logits[0, -1]
+            cache = self.new_cache()
+            self.model(input_ids=ids[:, :2], position_ids=torch.arange(2, device=self.device)[None], cache=cache,
+                       use_cache=True)
+            part = self.model(input_ids=ids[:, 2:], position_ids=torch.arange(2, 4, device=self.device)[None],
+                              cache=cache, use_cache=True).logits[0, -1]
+        self._captured.clear()
+        # One path rounds unlike the other (half precision: by a few percent); a lost state changes
+        # the logits wholesale.
+        tolerance = 1e-3 if self.dtype == torch.float32 else 0.25
+        return bool((whole - part).abs().max() <= tolerance * whole.abs().max())
+
+    def check_blocks(self) -> None:
+        """Raise the one-line reason when drafts cannot be verified at all (continues_blocks)."""
+        if not self.continues_blocks:
+            raise UnsupportedModelError(
+                f"{self.family.name}'s recurrent layers restart from an empty state when several tokens are fed on "
+                f"top of a cache (transformers' {type(self.model).__name__} cannot continue a state over a block), "
+                "so no draft can be verified on it; use ar"
+            )
+
     def checkpoint(self, cache: DynamicCache) -> Checkpoint | None:
         """What `keep` needs to undo a verification forward: recurrent states cannot be cropped,
         so they are copied first; None for attention-only caches, which crop."""
@@ -168,6 +201,8 @@ class TargetModel:
         skips the LM head on all but the last position (prefill)."""
         if tree is not None:
             allow, positions = tree.ancestor_mask(), tree.position_ids(start)
+        if start > 0 and len(ids) > 1:
+            self.check_blocks()
         device = self.device
         input_ids = torch.tensor([ids], device=device)
         if allow is None:
