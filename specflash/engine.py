@@ -137,7 +137,7 @@ class Decoding:
         tree = draft.tree
 
         # 3. Verify: one target forward over [last, draft..., lookahead...]; walk the draft.
-        saved = self.target.checkpoint(cache)
+        saved = self.target.checkpoint(cache) if tree.tokens else None  # the root alone is always kept
         out = self._verify_forward(context[-1], draft, cache, start)
         probs = probabilities(out.logits[: len(tree) + 1], self.sampling)  # [n+1, V]
         if self.sampling.greedy:
