@@ -146,3 +146,38 @@ def restore(cache: Cache, saved: Checkpoint) -> None:
         _put(layer.conv_states, conv)
         _put(layer.recurrent_states, recurrent)
         layer.has_previous_state.update(previous)
+
+
+def select_batch_rows(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep only these batch rows, in every layer: key/value rows and recurrent states alike
+    (transformers' own batch_select_indices knows attention layers only)."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer):
+            layer.batch_select_indices(rows)
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for states in (layer.conv_states, layer.recurrent_states):
+                for i, tensor in states.items():
+                    if tensor is not None:
+                        states[i] = tensor[rows]
+
+
+@torch.inference_mode()
+def recurrent_rows(cache: Cache, rows: torch.Tensor) -> dict[int, tuple[dict, dict]]:
+    """Copies of these batch rows' recurrent states (by layer index), for put_recurrent_rows."""
+    return {  # indexing by a tensor of rows copies
+        i: tuple({k: None if t is None else t[rows] for k, t in states.items()}
+                 for states in (layer.conv_states, layer.recurrent_states))
+        for i, layer in enumerate(cache.layers)
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+    }
+
+
+@torch.inference_mode()
+def put_recurrent_rows(cache: Cache, rows: torch.Tensor, copies: dict) -> None:
+    """Write states copied by recurrent_rows back into these batch rows."""
+    for i, (conv, recurrent) in copies.items():
+        layer = cache.layers[i]
+        for current, saved in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
+            for k, tensor in saved.items():
+                if tensor is not None:
+                    current[k][rows] = tensor

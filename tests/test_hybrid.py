@@ -1,7 +1,7 @@
 """Hybrid targets (Gated DeltaNet linear attention interleaved with full attention, as in
 Qwen3-Next and Qwen3.5): recurrent states are checkpointed before verification and replayed
-after a rejection, so every chain method equals transformers' greedy decoding; tree methods and
-batches say in one line why they cannot run."""
+after a rejection (row by row in a batch), so every chain method and batched decoding equal
+transformers' greedy decoding; tree methods say in one line why they cannot run."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 from conftest import HYBRID_ARCHS, hf_greedy
 from test_adaflash import STEEP, random_head as length_head
 from test_dels import random_head as local_head
+from test_batch import OracleDrafter
 from test_dflash import random_drafter
-from specflash.api import generate
+from specflash.api import generate, generate_batch
 from specflash.config import DraftModelConfig, PromptLookupConfig
 from specflash.drafters import build_drafter
 from specflash.drafters.adaflash import AdaFlashConfig, AdaFlashDrafter
@@ -147,9 +148,18 @@ def test_trees_say_why_in_one_line(family_target):
         generate(target, ids, max_new_tokens=5, drafter=TwoBranches())
 
 
-def test_batches_say_why_in_one_line(family_target):
-    from specflash.api import generate_batch
-
-    target = family_target("qwen3_5")
-    with pytest.raises(UnsupportedModelError, match="qwen3_5_text has recurrent layers .*one prompt at a time"):
-        generate_batch(target, [PROMPTS[0], PROMPTS[1]], method="ar", raw=True, max_new_tokens=4)
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_batches_equal_transformers(family_target, arch):
+    """Left padding stays out of the recurrent states, and rows that keep different numbers of
+    drafted tokens each get the state after their own (plain, oracle drafts, DFlash)."""
+    target = family_target(arch)
+    prompts = [target.tokenizer(p).input_ids for p in (PROMPTS[0], PROMPTS[1], "What is 12 * 7? The answer")]
+    refs = [hf_greedy(target, ids, 30) for ids in prompts]
+    dflash = DFlashEngineDrafter(random_drafter(target, block=8, feature_layers=(0, 3)), DFlashConfig(gate=False))
+    oracle = OracleDrafter(prompts, refs, target.vocab_size)
+    for drafter in (None, oracle, dflash):
+        batch = generate_batch(target, prompts, drafter=drafter, max_new_tokens=30)
+        assert [run.output_ids for run in batch.runs] == refs
+    kept = [[len(s.accepted) for s in run.steps[1:4]] for run in generate_batch(
+        target, prompts, drafter=OracleDrafter(prompts, refs, target.vocab_size), max_new_tokens=30).runs]
+    assert any(len({row[i] for row in kept}) > 1 for i in range(3)), "rows should keep different counts"

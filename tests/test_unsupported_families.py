@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from test_batch import OracleDrafter
 from test_hybrid import ChainOracle
-from specflash.api import generate
+from specflash.api import generate, generate_batch
 from specflash.drafters import build_drafter
 from specflash.errors import UnsupportedModelError
 from specflash.models.target import TargetModel
@@ -58,6 +59,11 @@ def test_jamba_decodes_plainly_and_refuses_drafts_in_one_line(targets):
     _one_line(err, "jamba")
     with pytest.raises(UnsupportedModelError, match="use ar$"):
         build_drafter("ptd", target)
+    prompts = [IDS, IDS[:7]]
+    refs = [generate(target, ids, max_new_tokens=12).output_ids for ids in prompts]
+    assert [run.output_ids for run in generate_batch(target, prompts, max_new_tokens=12).runs] == refs
+    with pytest.raises(UnsupportedModelError, match="use ar$"):
+        generate_batch(target, prompts, drafter=OracleDrafter(prompts, refs, V), max_new_tokens=12)
 
 
 def test_mamba2_without_attention_layers_rolls_back(targets):
@@ -65,6 +71,9 @@ def test_mamba2_without_attention_layers_rolls_back(targets):
     assert target.family.recurrent and target.continues_blocks
     run = generate(target, IDS, max_new_tokens=20, drafter=ChainOracle(ref, len(IDS), V))
     assert run.output_ids == ref and sum(len(s.accepted) for s in run.steps) > 3
+    with pytest.raises(UnsupportedModelError, match="no attention layers beside its recurrent ones") as err:
+        generate_batch(target, [IDS, IDS[:7]], max_new_tokens=4)
+    _one_line(err, "mamba2")
 
 
 def test_chunked_attention_has_no_tree_mask(targets):

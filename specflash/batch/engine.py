@@ -157,7 +157,7 @@ class BatchDecoding:
 
         # 4. Commit: each row keeps its root and accepted path; the drafter sees their features.
         kept = torch.tensor([1 + len(v.path) for v in verdicts], device=device)
-        state.commit(start, kept)
+        self.batch_target.commit(state, start, kept)
         if out.features is not None:
             longest = int(kept.max())
             offsets = torch.arange(longest, device=device)[None]

@@ -21,12 +21,15 @@ there), and every query sees at least itself, so pad queries never meet an all-m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import DynamicCache
 
-from ..kv import rollback
+from ..kv import checkpoint, rollback, select_batch_rows
+from ..models.family import FULL, MODEL_ERRORS
 from ..models.target import TargetModel
+from .recurrent import Pending, replay
 
 
 def batch_mask(
@@ -97,7 +100,7 @@ class BatchCache:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows leave the batch), then drop shared holes."""
-        self.cache.batch_select_indices(rows)
+        select_batch_rows(self.cache, rows)
         self.valid = self.valid[rows]
         if worth_compacting(self.valid):
             self.compact()
@@ -105,6 +108,8 @@ class BatchCache:
     def compact(self) -> None:
         index, self.valid = compact_index(self.valid)
         for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None:  # a recurrent layer: no slots
+                continue
             # keys/values: [B, kv_heads, S, head_dim]
             layer.keys, layer.values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
 
@@ -121,6 +126,7 @@ class BatchTarget:
     def __init__(self, target: TargetModel) -> None:
         target.family.check_batch()
         self.target = target
+        self.pending: Pending | None = None  # a recurrent target's last verification, until commit
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[BatchCache, BatchOutput]:
@@ -145,19 +151,43 @@ class BatchTarget:
         """Feed ids [B, T] (root, drafts, pads) at positions root_pos[b] + t on top of the cache;
         block_valid [B, T] marks the real (non-pad) positions."""
         positions = root_pos[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]  # [B, T]
+        if self.target.family.recurrent:
+            if ids.shape[1] > 1:
+                self.target.check_blocks()
+            self.pending = Pending(ids, positions, checkpoint(state.cache))
         return self._forward(ids, positions, self._mask(state.valid, block_valid, positions), state.cache)
 
+    @torch.inference_mode()
+    def commit(self, state: BatchCache, start: int, kept: torch.Tensor) -> None:
+        """Row b keeps its first kept[b] slots of the block verified at `start`; a recurrent target
+        first replays them (batch/recurrent.py)."""
+        if self.pending is not None:
+            replay(partial(self._replay_forward, state.cache), state.cache, state.valid, self.pending, kept)
+            self.pending = None
+            self.target._captured.clear()
+        state.commit(start, kept)
+
+    def _replay_forward(self, cache, ids, positions, cache_valid, block_valid) -> None:
+        self._forward(ids, positions, self._mask(cache_valid, block_valid, positions), cache, last_only=True)
+
     def _mask(self, cache_valid: torch.Tensor, block_valid: torch.Tensor, positions: torch.Tensor):
-        """The attention mask(s) of a forward: windowed layers get the window (Family.layer_masks)."""
-        dtype, window = self.target.dtype, self.target.sliding_window
-        full = batch_mask(cache_valid, block_valid, dtype)
-        if window is None:
-            return full
-        return self.target.family.layer_masks(full, batch_mask(cache_valid, block_valid, dtype, window, positions))
+        """The attention mask(s) of a forward: windowed layers get the window (Family.layer_masks),
+        recurrent layers the 2-D padding mask that keeps pads out of their states."""
+        family, dtype, window = self.target.family, self.target.dtype, self.target.sliding_window
+        masks = full = batch_mask(cache_valid, block_valid, dtype)
+        if window is not None:
+            masks = family.layer_masks(full, batch_mask(cache_valid, block_valid, dtype, window, positions))
+        if not family.recurrent:
+            return masks
+        return {**(masks if isinstance(masks, dict) else {FULL: masks}), **dict.fromkeys(family.recurrent_types, block_valid)}
 
     def _forward(self, ids, positions, mask, cache, last_only: bool = False) -> BatchOutput:
-        out = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
-                                use_cache=True, logits_to_keep=1 if last_only else 0)
+        try:
+            out = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
+                                    use_cache=True, logits_to_keep=1 if last_only else 0)
+        except MODEL_ERRORS as exc:
+            self.target._captured.clear()
+            raise self.target.family.unsupported(exc) from exc
         return BatchOutput(out.logits.float(), self._features())
 
     def _features(self) -> torch.Tensor | None:

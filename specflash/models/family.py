@@ -24,8 +24,10 @@ from ..errors import UnsupportedModelError
 from ..kv import is_recurrent, new_cache
 from ..tree import additive_mask
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 CHAIN_METHODS = "ar, draft, pld, dflash, adaflash or dels"
+# What a model forward raises when its family lacks something SpecFlash's calls need (Family.unsupported).
+MODEL_ERRORS = (IndexError, KeyError, TypeError, ValueError, NotImplementedError, AttributeError)
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,24 @@ class Family:
                 f"{self.name} has {', '.join(other)} layers, for which SpecFlash has no tree mask; use {CHAIN_METHODS}"
             )
 
+    @property
+    def recurrent_types(self) -> tuple[str, ...]:
+        """The layer types that are neither full nor windowed attention, in config order."""
+        return tuple(dict.fromkeys(t for t in self.layer_types if t not in (FULL, SLIDING)))
+
     def check_batch(self) -> None:
-        """Raise the one-line reason when rows cannot be decoded as one batch here."""
-        if self.recurrent:
+        """Raise the one-line reason when rows cannot be decoded as one batch here: left padding
+        must not reach a recurrent state, which takes a padding mask per layer type, written for
+        linear attention only."""
+        if not self.recurrent:
+            return
+        other = [t for t in self.recurrent_types if t != LINEAR]
+        if other or FULL not in self.layer_types:
+            what = f"{', '.join(other)} layers" if other else "no attention layers beside its recurrent ones"
             raise UnsupportedModelError(
-                f"{self.name} has recurrent layers (linear attention, state space or convolution), and batched "
-                "decoding cannot roll their states back row by row (rows keep different numbers of drafted "
-                "tokens); decode one prompt at a time (generate or stream)"
+                f"{self.name} has {what}, and batched decoding has a padding mask per layer type only for "
+                "linear attention beside attention, so left padding would reach its recurrent states; decode "
+                "one prompt at a time (generate or stream)"
             )
 
     def tree_mask(

@@ -97,7 +97,7 @@ _ALL = (
     _qwen3("8B"),
     _hub("qwen3.5-4b", "Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash",
          "Qwen3.5-4B (hybrid: Gated DeltaNet and full attention) with the z-lab DFlash drafter (block 16); "
-         "chain methods only (no ptd, no batches); for GPU hosts", draft="Qwen/Qwen3.5-0.8B"),
+         "every method but ptd (no tree verification over recurrent layers); for GPU hosts", draft="Qwen/Qwen3.5-0.8B"),
     _hub("gpt-oss-20b", "openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash",
          "gpt-oss-20b (MoE; sliding-window and full attention alternate, with sinks) with the z-lab DFlash "
          "drafter (block 8); for GPU hosts"),

@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..errors import UnsupportedModelError
 from ..kv import Checkpoint, checkpoint, keep_rows, new_cache, restore
 from ..tree import DraftTree
-from .family import Family
+from .family import MODEL_ERRORS, Family
 
 
 def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
@@ -146,10 +146,10 @@ class TargetModel:
         Attention caches gather those rows. Recurrent caches go back to `saved` (taken before the
         forward) and replay the kept tokens, unless every fed token is kept; that replay is a
         chain forward of the accepted length, the price of states that cannot be cropped."""
+        if rows == list(range(len(fed))):
+            return
         if saved is None:
             keep_rows(cache, start, rows)
-            return
-        if rows == list(range(len(fed))):
             return
         if rows != list(range(len(rows))):
             raise ValueError("a recurrent cache keeps a prefix of a chain; trees cannot be verified on it")
@@ -221,7 +221,7 @@ class TargetModel:
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
             )
-        except (IndexError, KeyError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
+        except MODEL_ERRORS as exc:
             self._captured.clear()
             raise self.family.unsupported(exc) from exc
         features = None
