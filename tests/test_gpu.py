@@ -74,7 +74,8 @@ def test_cuda_batched_rows_equal_their_own_greedy(cuda_targets, method):
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS + WINDOW_ARCHS)
 def test_cuda_hybrid_and_windowed_targets_equal_transformers(tiny_root, arch):
-    """Recurrent-state rollback (hybrids) and windowed tree masks (ptd) on CUDA, far past the window."""
+    """Recurrent-state rollback (hybrids) and windowed tree masks (ptd) on CUDA, far past the
+    window, alone and in a left-padded batch."""
     path = ensure_tiny_model(arch, tiny_root, layers=4 if arch in HYBRID_ARCHS else 2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda")
     target = TargetModel(model, AutoTokenizer.from_pretrained(path), name=arch)
@@ -85,3 +86,8 @@ def test_cuda_hybrid_and_windowed_targets_equal_transformers(tiny_root, arch):
         assert generate(target, ids, max_new_tokens=40, drafter=drafter).output_ids == ref
     if arch in WINDOW_ARCHS:
         assert generate(target, ids, method="ptd", max_new_tokens=40).output_ids == ref
+    from specflash.api import generate_batch
+
+    prompts = [ids, target.tokenizer("def add(a, b):").input_ids]
+    batch = generate_batch(target, prompts, max_new_tokens=24)
+    assert [run.output_ids for run in batch.runs] == [hf_greedy(target, p, 24) for p in prompts]
