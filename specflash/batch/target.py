@@ -179,7 +179,8 @@ class BatchTarget:
             masks = family.layer_masks(full, batch_mask(cache_valid, block_valid, dtype, window, positions))
         if not family.recurrent:
             return masks
-        return {**(masks if isinstance(masks, dict) else {FULL: masks}), **dict.fromkeys(family.recurrent_types, block_valid)}
+        padding = dict.fromkeys(family.recurrent_types, block_valid)  # 2-D: which fed tokens are real
+        return {**(masks if isinstance(masks, dict) else {FULL: masks}), **padding}
 
     def _forward(self, ids, positions, mask, cache, last_only: bool = False) -> BatchOutput:
         try:

@@ -94,7 +94,8 @@ class Family:
         self.check_trees()
         if self.window is None:
             return additive_mask(allow, start, dtype)
-        return self.layer_masks(additive_mask(allow, start, dtype), additive_mask(allow, start, dtype, positions, self.window))
+        windowed = additive_mask(allow, start, dtype, positions, self.window)
+        return self.layer_masks(additive_mask(allow, start, dtype), windowed)
 
     def layer_masks(self, full: torch.Tensor, windowed: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """The attention_mask argument when windowed layers need `windowed` and the rest `full`:
