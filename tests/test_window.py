@@ -10,10 +10,12 @@ import torch
 from conftest import WINDOW_ARCHS, hf_greedy
 from test_batch import OracleDrafter
 from test_hybrid import ChainOracle
+from test_dflash import random_drafter
 from test_lossless_greedy import OracleTreeDrafter
 from specflash.api import generate, generate_batch
 from specflash.config import DraftModelConfig, PromptLookupConfig
 from specflash.drafters.base import Drafter
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
 from specflash.kv import keep_rows
@@ -95,11 +97,13 @@ def _drafter(method: str, target, ids, ref) -> Drafter:
         return PromptLookupDrafter(PromptLookupConfig(k=5, max_ngram=3))
     if method == "draft-self":
         return DraftModelDrafter(target.model, DraftModelConfig(k=4), target.vocab_size)
+    if method == "dflash":
+        return DFlashEngineDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), DFlashConfig(gate=False))
     raise AssertionError(method)
 
 
 @pytest.mark.parametrize("arch", WINDOW_ARCHS)
-@pytest.mark.parametrize("method", ["tree", "oracle", "pld", "draft-self"])
+@pytest.mark.parametrize("method", ["tree", "oracle", "pld", "draft-self", "dflash"])
 def test_greedy_equals_transformers(family_target, arch, method):
     target = family_target(arch)
     accepted = 0
@@ -109,7 +113,7 @@ def test_greedy_equals_transformers(family_target, arch, method):
         run = generate(target, ids, max_new_tokens=40, drafter=_drafter(method, target, ids, ref))
         assert run.output_ids == ref, f"{arch}/{method} diverged on {prompt!r}"
         accepted += sum(len(s.accepted) for s in run.steps)
-    assert method == "pld" or accepted > 10
+    assert method in ("pld", "dflash") or accepted > 10
 
 
 @pytest.mark.parametrize("arch", WINDOW_ARCHS)
