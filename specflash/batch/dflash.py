@@ -100,6 +100,7 @@ class BatchDFlash(BatchDrafter):
         index, self.valid = compact_index(self.valid)
         for i, (k, v) in enumerate(zip(self.cache.keys, self.cache.values)):
             self.cache.keys[i], self.cache.values[i] = gather_slots(k, index), gather_slots(v, index)
+        self.cache.positions = self.cache.positions.gather(1, index)
 
     def block_probs(self, roots: list[int], root_pos: list[int], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter forward for every row: block hidden states [B, L, H] and the draft
@@ -127,6 +128,8 @@ class BatchDFlash(BatchDrafter):
         for i, (k, v) in enumerate(zip(self.cache.keys, self.cache.values)):
             if k is not None:
                 self.cache.keys[i], self.cache.values[i] = k[rows], v[rows]
+        if self.cache.positions is not None:
+            self.cache.positions = self.cache.positions[rows]
         if worth_compacting(self.valid):
             self._compact()
 

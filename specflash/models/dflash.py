@@ -10,6 +10,12 @@ context and bidirectionally to itself. So one forward drafts L-1 tokens.
 One attention code path serves both uses: inference passes no mask and a `DFlashCache` holding
 the projected context; training passes the dense block mask of `training_block_mask` and the
 whole teacher-forced context at once. Checkpoint IO (z-lab format) is in models/dflash_io.py.
+
+Attention layout (`DFlashSpec.layer_attention`, one rule for DFlash and DFlash 2, as vLLM's DFlash
+model and z-lab's current model.py resolve it): a `sliding_attention` layer's query at position p
+sees only keys at positions > p - sliding_window. Every layer is causal inside the block when the
+config's `is_causal` (or `dflash_config.causal`) says so; without that key, exactly the sliding
+layers are. Full, bidirectional layers get no mask of their own (`layer_mask`), as before.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 def default_target_layers(num_target_layers: int, n_features: int) -> tuple[int, ...]:
@@ -47,13 +55,33 @@ class DFlashSpec:
     intermediate_size: int
     vocab_size: int
     block_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: config.json does not say (gpt-oss release); the target's count is used
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     max_position_embeddings: int = 32768
+    layer_types: tuple[str, ...] = ()  # one per layer; () = all full attention
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: causal inside the block exactly on sliding layers
+    attention_bias: bool = False  # q/k/v/o biases (gpt-oss drafters)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - {FULL, SLIDING}):
+            problems.append(f"layer_types {list(self.layer_types)} must name {FULL} or {SLIDING} for each of "
+                            f"{self.num_layers} layers")
+        if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            problems.append("sliding_attention layers need a positive sliding_window")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def layer_attention(self, i: int) -> tuple[int | None, bool]:
+        """(sliding window or None, causal inside the block) of draft layer i."""
+        sliding = bool(self.layer_types) and self.layer_types[i] == SLIDING
+        causal = sliding if self.is_causal is None else self.is_causal
+        return (self.sliding_window if sliding else None), causal
 
     @property
     def feature_dim_factor(self) -> int:
@@ -94,12 +122,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class DFlashCache:
-    """Per-layer keys/values [B, kv_heads, S, hd] of the projected context (already rotated).
-    Block keys/values are never stored, so its length is the number of committed positions seen."""
+    """Per-layer keys/values [B, kv_heads, S, hd] of the projected context (already rotated), and
+    the position of each slot [B, S], which sliding layers need (a batch's slots are not its
+    positions). Block keys/values are never stored, so its length is the number of committed
+    positions seen."""
 
     def __init__(self, num_layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return 0 if self.keys[0] is None else int(self.keys[0].shape[2])
@@ -111,11 +142,18 @@ class DFlashCache:
         self.values[layer] = v if old_v is None else torch.cat([old_v, v], dim=2)
         return self.keys[layer], self.values[layer]
 
+    def append_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Add the positions [B, C] of one forward's new context; returns those of every slot [B, S]."""
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
+        return self.positions
+
     def crop(self, length: int) -> None:
         """Keep the first `length` positions (roll back the rest)."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
                 self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
+        if self.positions is not None:
+            self.positions = self.positions[:, :length]
 
 
 class DFlashAttention(nn.Module):
@@ -125,10 +163,11 @@ class DFlashAttention(nn.Module):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.n_heads, self.n_kv, self.head_dim = spec.num_heads, spec.num_kv_heads, d
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        bias = spec.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
@@ -204,14 +243,16 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_ids", None if draft_ids is None else draft_ids.long(), persistent=False)
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
-        """Qwen-style init: normal(0, std) linears, unit norms."""
+        """Qwen-style init: normal(0, std) linears, zero biases, unit norms."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 with torch.no_grad():
                     module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                    if module.bias is not None:
+                        module.bias.zero_()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, Q] -> target embeddings [B, Q, H]."""
+        """ids [B, Q] -> the block's input embeddings [B, Q, H]: the target's."""
         return self._borrowed[0](ids)
 
     def logits(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,17 +298,42 @@ class DFlashDrafter(nn.Module):
         cache: DFlashCache | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states of the block positions [B, Q, H]. With a cache, the new
-        context K/V are appended to it and attention sees all of it."""
+        context K/V are appended to it and attention sees all of it, narrowed per layer by its
+        window and causality (`layer_mask`)."""
         h = self.embed(block_ids)
         rope_blk = self.rotary(h, block_pos)
         ctx = self.fuse(features)
         rope_ctx = self.rotary(ctx, ctx_pos)
+        seen = ctx_pos if cache is None else cache.append_positions(ctx_pos)  # every context position [B, S]
+        key_pos = torch.cat([seen.expand(len(block_pos), -1), block_pos], dim=1)
+        masks: dict[tuple[int | None, bool], torch.Tensor | None] = {}
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, rope_ctx)
             if cache is not None:
                 k, v = cache.append(i, k, v)
-            h = layer(h, rope_blk, k, v, mask)
+            rule = self.spec.layer_attention(i)
+            if rule not in masks:
+                masks[rule] = layer_mask(mask, *rule, block_pos, key_pos)
+            h = layer(h, rope_blk, k, v, masks[rule])
         return self.norm(h)
+
+
+def layer_mask(mask: torch.Tensor | None, window: int | None, causal: bool, block_pos: torch.Tensor,
+               key_pos: torch.Tensor) -> torch.Tensor | None:
+    """`mask` (bool [B, 1, Q, S + Q] or None = see all) narrowed to keys within `window` of each
+    query and, when `causal`, to block slots at or before it; unchanged for a full, bidirectional
+    layer. block_pos [B, Q]: query positions; key_pos [B, S + Q]: the context's, then the block's."""
+    if window is None and not causal:
+        return mask
+    query_pos, keys = block_pos[:, :, None], key_pos[:, None, :]  # [B, Q, 1], [B, 1, S + Q]
+    allowed = torch.ones(*block_pos.shape, key_pos.shape[1], dtype=torch.bool, device=block_pos.device)
+    if window is not None:
+        allowed &= keys > query_pos - window
+    if causal:
+        in_block = torch.arange(key_pos.shape[1], device=block_pos.device) >= key_pos.shape[1] - block_pos.shape[1]
+        allowed &= ~in_block | (keys <= query_pos)
+    allowed = allowed[:, None]
+    return allowed if mask is None else mask & allowed
 
 
 def training_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:

@@ -37,10 +37,11 @@ S_t(previous choice, .) slot by slot (first index on ties, i.e. the higher unary
 temperature T > 0 each slot draws from q_t = softmax(S_t(previous choice, .) / T) over its K
 candidates (inverse CDF), and q_t is returned so verification stays exact.
 
-Attention: `layer_types` "sliding_attention" layers see only context positions within
-`sliding_window` of each query; causality inside the block follows vLLM's rule: the top-level
-`is_causal` (or `dflash_config.causal`) when set, else causal exactly on sliding layers. The
-published drafter sets is_causal false (bidirectional blocks, windowed context).
+Attention: DFlash's rule (models/dflash.py, `DFlashSpec.layer_attention`): `layer_types`
+"sliding_attention" layers see only context positions within `sliding_window` of each query;
+causality inside the block is the top-level `is_causal` (or `dflash_config.causal`) when set, else
+causal exactly on sliding layers. The published drafter sets is_causal false (bidirectional
+blocks, windowed context).
 """
 
 from __future__ import annotations
@@ -51,27 +52,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dflash import DFlashCache, DFlashDrafter, DFlashLayer, DFlashSpec
-
-FULL, SLIDING = "full_attention", "sliding_attention"
+from .dflash import DFlashDrafter, DFlashLayer, DFlashSpec
 
 
 @dataclass(frozen=True)
 class DFlash2Spec(DFlashSpec):
-    """A DFlash spec plus the DFlash 2 keys of `dflash_config` and the attention layout."""
+    """A DFlash spec plus the DFlash 2 keys of `dflash_config`."""
 
     conv_kernel_size: int = 2
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
-    layer_types: tuple[str, ...] = ()  # one per layer; () = all full attention
-    sliding_window: int | None = None
-    is_causal: bool | None = None  # None: causal exactly on sliding layers (vLLM's rule)
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         problems = []
         if self.conv_kernel_size < 1 or self.conv_kernel_size > self.block_size:
             problems.append(f"conv_kernel_size {self.conv_kernel_size} must be in [1, block_size {self.block_size}]")
@@ -80,21 +77,10 @@ class DFlash2Spec(DFlashSpec):
         if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
             problems.append(f"selector_rank {self.selector_rank} and selector_top_k {self.selector_top_k} "
                             f"must be >= 1, top_k at most vocab_size {self.vocab_size}")
-        if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - {FULL, SLIDING}):
-            problems.append(f"layer_types {list(self.layer_types)} must name {FULL} or {SLIDING} for each of "
-                            f"{self.num_layers} layers")
-        if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
-            problems.append("sliding_attention layers need a positive sliding_window")
         if self.output_multiplier <= 0:
             problems.append(f"output_multiplier must be positive, got {self.output_multiplier}")
         if problems:
             raise ValueError("; ".join(problems))
-
-    def layer_attention(self, i: int) -> tuple[int | None, bool]:
-        """(sliding window or None, causal inside the block) of draft layer i."""
-        sliding = bool(self.layer_types) and self.layer_types[i] == SLIDING
-        causal = sliding if self.is_causal is None else self.is_causal
-        return (self.sliding_window if sliding else None), causal
 
 
 class GroupedDynamicConv(nn.Module):
@@ -252,50 +238,7 @@ class DFlash2Drafter(DFlashDrafter):
         scores = self.candidate_selector.scores(hidden, candidates, unary, anchor)
         return Lattice(candidates, unary, scores, int(anchor))
 
-    def forward(
-        self,
-        block_ids: torch.Tensor,
-        block_pos: torch.Tensor,
-        features: torch.Tensor,
-        ctx_pos: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        cache: DFlashCache | None = None,
-    ) -> torch.Tensor:
-        """As DFlashDrafter.forward (same arguments), with DFlash 2 layers, the input embedding
-        scale and each layer's window and causality. With a cache, its context positions are
-        taken to be 0..S-1, as the engine feeds them."""
-        h = self.embed(block_ids)
-        if self.spec.input_embedding_scale != 1.0:
-            h = h * self.spec.input_embedding_scale
-        rope_blk = self.rotary(h, block_pos)
-        ctx = self.fuse(features)
-        rope_ctx = self.rotary(ctx, ctx_pos)
-        masks: dict[tuple[int | None, bool], torch.Tensor | None] = {}
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(ctx, rope_ctx)
-            if cache is not None:
-                k, v = cache.append(i, k, v)
-            rule = self.spec.layer_attention(i)
-            if rule not in masks:
-                masks[rule] = self._layer_mask(rule, mask, block_pos, ctx_pos, k.shape[2])
-            h = layer(h, rope_blk, k, v, masks[rule])
-        return self.norm(h)
-
-    @staticmethod
-    def _layer_mask(rule, mask, block_pos, ctx_pos, n_ctx) -> torch.Tensor | None:
-        """`mask` narrowed by a sliding window over the keys and by causality inside the block."""
-        window, causal = rule
-        if window is None and not causal:
-            return mask
-        b = block_pos.shape[0]
-        cached = torch.arange(n_ctx - ctx_pos.shape[1], device=block_pos.device).expand(b, -1)
-        key_pos = torch.cat([cached, ctx_pos.expand(b, -1), block_pos], dim=1)[:, None, :]  # [B, 1, S + Q]
-        query_pos = block_pos[:, :, None]  # [B, Q, 1]
-        allowed = torch.ones(b, block_pos.shape[1], key_pos.shape[2], dtype=torch.bool, device=block_pos.device)
-        if window is not None:
-            allowed &= key_pos > query_pos - window
-        if causal:
-            in_block = torch.arange(key_pos.shape[2], device=block_pos.device) >= n_ctx
-            allowed &= ~in_block | (key_pos <= query_pos)
-        allowed = allowed[:, None]
-        return allowed if mask is None else mask & allowed
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings times `input_embedding_scale`: what DFlash 2's block reads."""
+        h = super().embed(ids)
+        return h if self.spec.input_embedding_scale == 1.0 else h * self.spec.input_embedding_scale

@@ -12,6 +12,12 @@ Qwen3 config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"]) plus `
 tensors only (no embedding / LM head). We parse config.json ourselves, check every tensor name
 strictly (only the optional `thresh_head_*` tensors of some releases are ignored) and check the
 drafter against the target before any weight is used, so a mismatch fails with a clear message.
+
+Released layouts read beside ours: `block_size` only under `dflash_config` (Qwen3.5-4B-DFlash),
+`layer_types` with `sliding_attention` layers and their `sliding_window` (and `is_causal`), no
+`num_target_layers` (gpt-oss-20b-DFlash: the target's layer count is assumed), and
+`attention_bias` true (q/k/v/o biases, so `*_proj.bias` tensors are expected). Our own drafters
+write only the keys their spec needs: a full-attention, bias-free drafter saves as before.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError, DrafterMismatchError
-from .dflash import DFlashDrafter, DFlashSpec, default_target_layers
+from .dflash import FULL, SLIDING, DFlashDrafter, DFlashSpec, default_target_layers
 from .dflash2 import DFlash2Drafter, DFlash2Spec
 
 CONFIG_FILE = "config.json"
@@ -39,35 +45,60 @@ _IGNORED_PREFIXES = ("thresh_head",)
 
 
 def spec_from_config(cfg: dict[str, Any]) -> DFlashSpec:
-    """A DFlashSpec from a parsed config.json (either rope_theta/rope_scaling or rope_parameters)."""
+    """A DFlashSpec from a parsed config.json (either rope_theta/rope_scaling or rope_parameters;
+    block_size at the top level or under dflash_config; num_target_layers optional)."""
     try:
         dflash = cfg.get("dflash_config") or {}
         n_layers = int(cfg["num_hidden_layers"])
-        n_target = int(cfg["num_target_layers"])
-        layer_ids = dflash.get("target_layer_ids") or default_target_layers(n_target, n_layers)
+        n_target = None if cfg.get("num_target_layers") is None else int(cfg["num_target_layers"])
+        layer_ids = dflash.get("target_layer_ids")
+        if not layer_ids:
+            if n_target is None:
+                raise CheckpointError("DFlash config.json gives neither dflash_config.target_layer_ids nor "
+                                      "num_target_layers to derive them from")
+            layer_ids = default_target_layers(n_target, n_layers)
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
         rope.pop("rope_theta", None)
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        layer_types = tuple(cfg.get("layer_types") or ())
+        if SLIDING not in layer_types:  # all full attention: no layout, and no window to keep
+            layer_types = ()
+        window = cfg.get("sliding_window") if layer_types else None
+        causal = cfg.get("is_causal", dflash.get("causal"))
         return DFlashSpec(
             hidden_size=hidden, num_layers=n_layers, num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
-            block_size=int(cfg["block_size"]), num_target_layers=n_target,
+            block_size=_block_size(cfg, dflash), num_target_layers=n_target,
             target_layer_ids=tuple(int(i) for i in layer_ids), mask_token_id=int(dflash["mask_token_id"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            layer_types=layer_types, sliding_window=None if window is None else int(window),
+            is_causal=None if causal is None else bool(causal),
+            attention_bias=bool(cfg.get("attention_bias", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"DFlash config.json is missing or has a bad key: {exc!r}") from None
 
 
+def _block_size(cfg: dict[str, Any], dflash: dict[str, Any]) -> int:
+    """The top-level block_size, else dflash_config's (DFlash 2, Qwen3.5-4B-DFlash); both must agree."""
+    outer, inner = cfg.get("block_size"), dflash.get("block_size")
+    if outer is None and inner is None:
+        raise CheckpointError("DFlash config.json has no block_size (top level or under dflash_config)")
+    if outer is not None and inner is not None and int(outer) != int(inner):
+        raise CheckpointError(f"DFlash config.json gives block_size {outer} and dflash_config.block_size {inner}")
+    return int(outer if outer is not None else inner)
+
+
 def config_from_spec(spec: DFlashSpec, dtype: torch.dtype, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The z-lab config.json of a drafter; `extra` adds keys (e.g. how it was trained)."""
-    return {
+    """The z-lab config.json of a drafter; `extra` adds keys (e.g. how it was trained). Keys a
+    spec may lack (num_target_layers, is_causal) are written only when it has them."""
+    cfg = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": spec.hidden_size,
@@ -82,18 +113,22 @@ def config_from_spec(spec: DFlashSpec, dtype: torch.dtype, extra: dict[str, Any]
         "rope_theta": spec.rope_theta,
         "rope_scaling": spec.rope_scaling,
         "max_position_embeddings": spec.max_position_embeddings,
-        "attention_bias": False,
+        "attention_bias": spec.attention_bias,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * spec.num_layers,
+        "use_sliding_window": spec.sliding_window is not None,
+        "sliding_window": spec.sliding_window,
+        "layer_types": list(spec.layer_types) or [FULL] * spec.num_layers,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "block_size": spec.block_size,
         "num_target_layers": spec.num_target_layers,
         "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids)},
-        **(extra or {}),
     }
+    if spec.num_target_layers is None:
+        del cfg["num_target_layers"]
+    if spec.is_causal is not None:
+        cfg["is_causal"] = spec.is_causal
+    return {**cfg, **(extra or {})}
 
 
 def is_dflash2(cfg: dict[str, Any]) -> bool:
@@ -102,7 +137,8 @@ def is_dflash2(cfg: dict[str, Any]) -> bool:
 
 def dflash2_spec_from_config(cfg: dict[str, Any]) -> DFlash2Spec:
     """A DFlash2Spec from a DFlash 2 config.json: the DFlash keys (block_size under dflash_config
-    or, as SGLang also accepts, at the top level) plus the convolution and selector keys."""
+    or, as SGLang also accepts, at the top level; the attention layout) plus the convolution and
+    selector keys."""
     dflash = cfg.get("dflash_config") or {}
     missing = [k for k in DFLASH2_KEYS if dflash.get(k) is None]
     if missing:
@@ -111,19 +147,11 @@ def dflash2_spec_from_config(cfg: dict[str, Any]) -> DFlash2Spec:
             "a DFlash 2 drafter needs its convolutions (conv_kernel_size, conv_group_size) and its candidate "
             "selector (selector_rank, selector_top_k)"
         )
-    inner, outer = dflash.get("block_size"), cfg.get("block_size")
-    if inner is not None and outer is not None and int(inner) != int(outer):
-        raise CheckpointError(f"DFlash 2 config.json gives block_size {outer} and dflash_config.block_size {inner}")
-    block = inner if inner is not None else outer
-    base = spec_from_config({**cfg, **({} if block is None else {"block_size": block})})
-    causal = cfg.get("is_causal", dflash.get("causal"))
+    base = spec_from_config(cfg)
     try:
         return DFlash2Spec(
             **{f.name: getattr(base, f.name) for f in fields(base)},
             **{k: int(dflash[k]) for k in DFLASH2_KEYS},
-            layer_types=tuple(cfg.get("layer_types") or ()),
-            sliding_window=None if cfg.get("sliding_window") is None else int(cfg["sliding_window"]),
-            is_causal=None if causal is None else bool(causal),
             output_multiplier=float(dflash.get("output_multiplier", 1.0)),
             final_logit_softcapping=float(dflash["final_logit_softcapping"]) if dflash.get("final_logit_softcapping") else None,
             input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
@@ -133,20 +161,15 @@ def dflash2_spec_from_config(cfg: dict[str, Any]) -> DFlash2Spec:
 
 
 def dflash2_config_from_spec(spec: DFlash2Spec, dtype: torch.dtype, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The DFlash 2 release config.json: DFlash's, with the release's differences (z-lab's
-    dflash2-config.json): block_size under dflash_config, rope as rope_parameters, `dtype`, the
-    convolution and selector keys, and the attention layout."""
+    """The DFlash 2 release config.json: DFlash's (with its attention layout), with the release's
+    differences (z-lab's dflash2-config.json): block_size under dflash_config, rope as
+    rope_parameters, `dtype`, and the convolution and selector keys."""
     cfg = config_from_spec(spec, dtype)
     cfg["architectures"] = [ARCHITECTURE_2]
     cfg["rope_parameters"] = {**(spec.rope_scaling or {"rope_type": "default"}), "rope_theta": spec.rope_theta}
     for key in ("rope_theta", "rope_scaling", "block_size", "torch_dtype"):
         del cfg[key]
     cfg["dtype"] = str(dtype).removeprefix("torch.")
-    layer_types = list(spec.layer_types) or ["full_attention"] * spec.num_layers
-    cfg.update(layer_types=layer_types, use_sliding_window=spec.sliding_window is not None,
-               sliding_window=spec.sliding_window)
-    if spec.is_causal is not None:
-        cfg["is_causal"] = spec.is_causal
     dflash = cfg["dflash_config"]
     dflash["block_size"] = spec.block_size
     dflash.update({k: getattr(spec, k) for k in DFLASH2_KEYS})
@@ -211,7 +234,7 @@ def check_fits(spec: DFlashSpec, target, name: str) -> None:
         problems.append(f"hidden size {spec.hidden_size} != target's {target.hidden_size}")
     if spec.vocab_size != target.vocab_size:
         problems.append(f"vocab size {spec.vocab_size} != target's {target.vocab_size}")
-    if spec.num_target_layers != target.num_layers:
+    if spec.num_target_layers not in (None, target.num_layers):  # None: assume it was trained on this target
         problems.append(f"trained on a {spec.num_target_layers}-layer target, this one has {target.num_layers}")
     if not 0 <= spec.mask_token_id < target.vocab_size:
         problems.append(f"mask token id {spec.mask_token_id} outside the target's vocabulary [0, {target.vocab_size})")
