@@ -122,7 +122,7 @@ def train(args: argparse.Namespace) -> dict:
     target = load(args.model, device=args.device, dtype=torch.float32)
     model = load_dflash_model(target, args.drafter, "length_head").float().eval()
     cache = Path(args.feature_cache or Path(platformdirs.user_cache_dir("specflash")) / "train" / "features")
-    per_seq = collect_blocks(target, model, shard_paths(args.data), args.anchors, args.seed, cache)
+    per_seq = collect_blocks(target, model, shard_paths(args.data)[: args.max_shards], args.anchors, args.seed, cache)
     if len(per_seq) < 2:
         raise SpecFlashError("too little data: need at least two sequences with response tokens")
     n_val = max(1, len(per_seq) // 10)
@@ -133,7 +133,7 @@ def train(args: argparse.Namespace) -> dict:
     L = model.spec.block_size
     losses = fit(head, fit_on, args.epochs, args.lr, args.batch, args.seed, L)
     report = {"train": score(head, fit_on, L), "heldout": score(head, val, L), "epoch_losses": losses,
-              "recipe": {k: getattr(args, k) for k in ("anchors", "epochs", "lr", "batch", "bottleneck", "seed")},
+              "recipe": {k: getattr(args, k) for k in ("anchors", "epochs", "lr", "batch", "bottleneck", "seed", "max_shards")},
               "data": [portable_path(d) for d in args.data], "drafter": portable_path(args.drafter)}
     args.export.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", D2T_FILE):
@@ -153,6 +153,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
                    help="comma list of data folders (training.data or training.opd rounds) of target responses")
     p.add_argument("--export", required=True, type=Path, help="folder for the drafter + head (a copy of --drafter)")
     p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
+    p.add_argument("--max-shards", type=int, default=None, help="use only the first N shards (drafting the blocks is "
+                                                                "most of the time)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=256)
