@@ -79,6 +79,8 @@ def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, a
     assert "does not pay" in gates[1]["reason"]
     off = [s for s, g in zip(decode, gates) if g["state"] == "off"]
     assert all(s.tokens == [] and s.verified == 1 and len(s.committed) == 1 for s in off)
+    probe_lengths = [len(s.tokens) for s, g in zip(decode, gates) if g["state"] == "probe"]
+    assert probe_lengths[0] == 3 and max(probe_lengths) == 3  # short probes (fewer only where the budget ends)
     probes = sum(g["state"] == "probe" for g in gates)
     assert sum(g["state"] == "on" for g in gates) == 0
     assert len(forwards) == probes == sum(bool(s.tokens) for s in decode)  # the drafter ran on probes only

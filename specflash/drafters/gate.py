@@ -8,9 +8,12 @@ the running (EMA) rate at which drafted position i is accepted when position i -
 picks the width m that maximises (1 + E(m)) / (c(m + 1) + d), d the drafter's own cost in the
 same units (timed on every drafting step); m = 0, plain decoding, is worth exactly 1. When that
 is 0, drafting is off: the step feeds only the root, and the drafter runs again only on a probe
-(full depth) after `probe_every` steps, an interval that doubles after each probe that did not
+after `probe_every` steps, an interval that doubles after each probe that did not
 pay (up to 8x) and resets when drafting pays again. While on at a width below the full depth, a
-full-depth probe every `probe_every` steps keeps the deeper positions' estimates fresh.
+full-depth probe every `probe_every` steps keeps the deeper positions' estimates fresh. The first
+step's probe and the probes while off draft only `probe_width` tokens: on a CPU verifying 8 tokens
+costs about two plain steps, and the first positions already tell whether drafting pays (deeper
+positions take the estimate of the last one observed until a full-depth probe measures them).
 
 The gate only changes how many tokens are drafted, never what is verified or how, so every
 method that uses it stays lossless. Each decision goes into the trace (`GateDecision`).
@@ -41,12 +44,13 @@ class GateDecision:
 
 class DraftGate:
     def __init__(self, cost: list[float], depth: int, probe_every: int = 8, smoothing: float = 0.3,
-                 draft_cost: float | None = None) -> None:
+                 draft_cost: float | None = None, probe_width: int = 3) -> None:
         """`cost` [c(1)=1, c(2), ...] at least depth + 1 long; `draft_cost` fixes d (in units
         of one target step) instead of timing it, for reproducible decisions."""
         if len(cost) < depth + 1:
             raise ValueError(f"the verify-cost curve has {len(cost)} points, the gate needs {depth + 1}")
         self.cost, self.depth, self.probe_every, self.smoothing = list(cost), depth, probe_every, smoothing
+        self.probe_width = probe_width
         self.fixed_draft_cost = draft_cost
         self.accept: list[float | None] = [None] * depth  # EMA of P(position i accepted | i-1 accepted)
         self.draft_cost = draft_cost  # d, EMA; None until timed
@@ -83,11 +87,13 @@ class DraftGate:
             return GateDecision("off", 0, 1.0, "no room left to draft")
         best = max(range(depth + 1), key=lambda m: (self.value(m), -m))
         if self.accept[0] is None:
-            return GateDecision("probe", depth, self.value(depth), "first step: measuring acceptance")
+            short = min(depth, self.probe_width)
+            return GateDecision("probe", short, self.value(short), "first step: measuring acceptance")
         self.since_probe += 1
         if best == 0:
             if self.since_probe >= self.probe_every * self.backoff:
-                return GateDecision("probe", depth, self.value(depth), f"drafting off for {self.since_probe} steps: probing")
+                short = min(depth, self.probe_width)
+                return GateDecision("probe", short, self.value(short), f"drafting off for {self.since_probe} steps: probing")
             return GateDecision("off", 0, 1.0, f"drafting does not pay: best drafted width is worth "
                                                f"{max(self.value(m) for m in range(1, depth + 1)):.2f} of plain decoding")
         if best < depth and self.since_probe >= self.probe_every:
