@@ -24,7 +24,6 @@ temperature 0 it follows from the finished run alone (`annotate_cuts`).
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -128,12 +127,7 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         super().begin(prompt_ids, sampling, generator)
         self.window = max(1, self.cfg.fixed_len)
 
-    @torch.inference_mode()
-    def propose(self, context: list[int], max_len: int) -> Draft:
-        started = time.perf_counter()
-        k, decision = self.step_width(max_len)
-        if k <= 0:
-            return self.gated(Draft.empty(), decision, started)
+    def draft_block(self, context: list[int], k: int) -> Draft:
         hidden = self.block_hidden(context)  # [L, H]
         probs = torch.softmax(self.model.logits(hidden[1 : k + 1]).float(), dim=-1)  # [k, V], the full block
         best = probs.max(dim=-1)
@@ -152,7 +146,7 @@ class AdaFlashDrafter(DFlashEngineDrafter):
                              "cut_q": best.values.tolist()[keep:]},
             },
         )
-        return self.gated(draft, decision, started)
+        return draft
 
     def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
         super().verified(draft, logits, path, committed)

@@ -13,7 +13,6 @@ engine's verification keeps the method lossless at every temperature.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -82,12 +81,7 @@ class DeLSDrafter(DFlashEngineDrafter):
         super().__init__(model, cfg, cost)
         self.head = head.eval()
 
-    @torch.inference_mode()
-    def propose(self, context: list[int], max_len: int) -> Draft:
-        started = time.perf_counter()
-        k, decision = self.step_width(max_len)
-        if k <= 0:
-            return self.gated(Draft.empty(), decision, started)
+    def draft_block(self, context: list[int], k: int) -> Draft:
         long_logits = self.block_logits(context, k)  # [k, V]
         fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta)
         draft = Draft(
@@ -96,7 +90,7 @@ class DeLSDrafter(DFlashEngineDrafter):
             q_token=fused["q"],
             extras={"dflash": {"block_size": self.spec.block_size}, "dels": fused["trace"]},
         )
-        return self.gated(draft, decision, started)
+        return draft
 
     def config_dict(self) -> dict[str, Any]:
         return {**super().config_dict(), **asdict(self.cfg)}

@@ -97,20 +97,23 @@ class DFlashEngineDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_len: int) -> Draft:
+        """The gate fixes the width k; `draft_block` drafts it (nothing at all when k is 0)."""
         started = time.perf_counter()
         k, decision = self.step_width(max_len)
-        if k <= 0:
-            return self.gated(Draft.empty(), decision, started)
+        draft = self.draft_block(context, k) if k > 0 else Draft.empty()
+        return self.gated(draft, decision, started)
+
+    def draft_block(self, context: list[int], k: int) -> Draft:
+        """k >= 1 drafted tokens after the context; each DFlash-family method drafts its own way."""
         # Slots 1..k of one block forward predict the next k tokens; propose their argmax as a chain.
         probs = torch.softmax(self.block_logits(context, k).float(), dim=-1)  # [k, V]
         best = probs.max(dim=-1)
-        draft = Draft(
+        return Draft(
             DraftTree.chain(best.indices.tolist()),
             q=None,
             q_token=best.values.tolist(),
             extras={"dflash": {"block_size": self.spec.block_size}},
         )
-        return self.gated(draft, decision, started)
 
     def block_logits(self, context: list[int], k: int) -> torch.Tensor:
         """DFlash's logits [k, V] for the k positions after the context, from one forward pass."""

@@ -26,7 +26,6 @@ the path independent argmaxes would have taken (rank 0 everywhere, by constructi
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,12 +54,7 @@ class DFlash2EngineDrafter(DFlashEngineDrafter):
                                     "run a DFlash drafter with method 'dflash'")
         super().__init__(model, cfg, cost)
 
-    @torch.inference_mode()
-    def propose(self, context: list[int], max_len: int) -> Draft:
-        started = time.perf_counter()
-        k, decision = self.step_width(max_len)
-        if k <= 0:
-            return self.gated(Draft.empty(), decision, started)
+    def draft_block(self, context: list[int], k: int) -> Draft:
         lattice = self.model.lattice(self.block_hidden(context)[1 : k + 1], anchor=context[-1])
         sampled = not self.sampling.greedy
         uniforms = None
@@ -77,7 +71,7 @@ class DFlash2EngineDrafter(DFlashEngineDrafter):
             q.scatter_(1, lattice.candidates.to(q.device), path.q)
         draft = Draft(DraftTree.chain(tokens), q=q, q_token=q_token,
                       extras={"dflash2": lattice_extras(lattice, path, self.spec.block_size, sampled)})
-        return self.gated(draft, decision, started)
+        return draft
 
     def config_dict(self) -> dict[str, Any]:
         spec = self.spec
