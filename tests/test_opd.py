@@ -171,3 +171,28 @@ def test_scripts_fail_with_one_line_and_status_2(tiny_dirs, tmp_path, capsys):
     assert evaluate.main(["--model", str(tiny_dirs["qwen3"]), "--drafters", str(tmp_path / "missing"),
                           "--per-domain", "1", "--max-new-tokens", "2"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_opd_with_a_draft_vocabulary_runs_over_its_support(tiny_targets):
+    """q is 0 outside a draft vocabulary: the reverse KL sums over the vocabulary (finite, >= 0),
+    a label outside it carries no weight, and an all-inside vocabulary gives the full-vocab KL."""
+    from specflash.models.dflash_io import new_drafter
+    from test_dflash import make_spec
+
+    target = tiny_targets["qwen3"]
+    seq, feats, last = _greedy_sequence(target, "The quick brown fox", 12)
+    anchors = torch.arange(seq.first_anchor, len(seq.next_ids) - 1)
+    w, cfg = loss_weights(4, 2.0), DistillConfig("opd", alpha=0.5, clip=1e9)
+    some = sorted(set(seq.next_ids.tolist()))[:3] + [target.vocab_size - 1]
+    for ids in (torch.tensor(sorted(set(some))), torch.arange(target.vocab_size)):
+        model = new_drafter(make_spec(target, block=4, feature_layers=(1,)), target, ids)
+        model.init_weights(torch.Generator().manual_seed(0), std=0.2)
+        terms = block_terms(model, seq, feats, last, anchors, w, target.head_logits, cfg)
+        assert torch.isfinite(terms.rkl).all() and torch.isfinite(terms.ce).all()
+        assert (terms.rkl[terms.weight > 0] >= -1e-5).all()
+        inside = torch.isin(seq.next_ids, ids)
+        assert bool((terms.weight > 0).any()) and (len(ids) == target.vocab_size or not inside.all())
+    full = random_drafter(target, block=4, feature_layers=(1,), std=0.2)
+    full.load_state_dict(model.state_dict())
+    ref = block_terms(full, seq, feats, last, anchors, w, target.head_logits, cfg)
+    assert torch.allclose(ref.rkl, terms.rkl, atol=1e-4) and torch.allclose(ref.ce, terms.ce, atol=1e-4)

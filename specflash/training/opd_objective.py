@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.dflash import DFlashDrafter
-from .dflash_objective import Sequence, block_forward, block_labels, leading_correct
+from .dflash_objective import Sequence, block_forward, block_labels, draft_labels, leading_correct
 
 OBJECTIVES = ("opd", "sft")
 
@@ -61,24 +61,38 @@ def block_terms(
     anchors = anchors.to(device)
     hidden = block_forward(model, seq, features, anchors)  # [N, L, H]
     data_labels, valid = block_labels(seq.next_ids.to(device), anchors, L)  # [N, L-1]
-    student = model.logits(hidden[:, 1:]).float()  # [N, L-1, V]
-    w = weights.to(device)[None] * valid
+    # With a draft vocabulary the student's support is those ids: labels map into it, a label
+    # outside it carries no loss, and the reverse KL runs over the support (q = 0 elsewhere).
+    vocab = model.draft_ids
+    student = (model.logits(hidden[:, 1:]) if vocab is None else model.draft_logits(hidden[:, 1:])).float()
     if cfg.objective == "sft":
-        ce = F.cross_entropy(student.flatten(0, 1), data_labels.flatten(), reduction="none").view_as(w)
+        labels, inside = _student_labels(vocab, data_labels)
+        w = weights.to(device)[None] * valid * inside
+        ce = F.cross_entropy(student.flatten(0, 1), labels.flatten(), reduction="none").view_as(w)
         with torch.no_grad():
-            accepted = leading_correct(student, data_labels, valid)
+            accepted = leading_correct(student, labels, valid & inside)
         return BlockTerms(ce, None, w, accepted)
     index = (anchors[:, None] + torch.arange(L - 1, device=device)).clamp(max=len(teacher_hidden) - 1)  # [N, L-1]
     with torch.no_grad():
         teacher = head_logits(teacher_hidden[index]).float()  # [N, L-1, V]
-        labels = teacher.argmax(-1)
+        labels, inside = _student_labels(vocab, teacher.argmax(-1))
         log_p_t = F.log_softmax(teacher / cfg.temperature, dim=-1)
+        if vocab is not None:
+            log_p_t = log_p_t[..., vocab]
+    w = weights.to(device)[None] * valid * inside
     ce = F.cross_entropy(student.flatten(0, 1), labels.flatten(), reduction="none").view_as(w)
     log_p_s = F.log_softmax(student / cfg.temperature, dim=-1)
     rkl = cfg.temperature**2 * (log_p_s.exp() * (log_p_s - log_p_t)).sum(-1)  # [N, L-1]
     with torch.no_grad():
-        accepted = leading_correct(student, labels, valid)
+        accepted = leading_correct(student, labels, valid & inside)
     return BlockTerms(ce, rkl, w, accepted)
+
+
+def _student_labels(vocab: torch.Tensor | None, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target-id labels as indices of the student's logits, and which of them it can express."""
+    if vocab is None:
+        return labels, torch.ones_like(labels, dtype=torch.bool)
+    return draft_labels(vocab, labels)
 
 
 def combine(terms: list[BlockTerms], cfg: DistillConfig) -> tuple[torch.Tensor, dict[str, float]]:
