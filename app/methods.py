@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specflash.drafters import METHODS
+from specflash.errors import SpecFlashError
+from specflash.models.presets import PRESETS, default_drafter
 
 # Friendlier labels for knobs we know; any other field shows under its own name.
 LABELS = {
@@ -35,6 +38,7 @@ class Knob:
     name: str
     default: Any
     kind: type
+    choices: tuple[Any, ...] | None = None  # a fixed set of values (the config field's metadata says)
 
     @property
     def label(self) -> str:
@@ -76,8 +80,32 @@ def method_knobs(name: str) -> list[Knob]:
     for f in dataclasses.fields(config_cls):
         kind = _kind(f)
         if kind is not None:
-            knobs.append(Knob(name, f.name, f.default, kind))
+            choices = f.metadata.get("choices")
+            knobs.append(Knob(name, f.name, f.default, kind, tuple(choices) if choices else None))
     return knobs
+
+
+def missing_drafter(preset: str, method: str, cache_dir: Path | None) -> str | None:
+    """Why the preset cannot run this method as it stands (None when it can): a method that
+    drafts with a model needs the preset to name one, or the user to give one on the Run tab."""
+    role = METHODS[method].drafter_role
+    if role is None:
+        return None
+    try:
+        if default_drafter(preset, method, cache_dir) is not None:
+            return None
+    except SpecFlashError as exc:
+        return " ".join(str(exc).split())
+    where = f"the {preset} preset has no {role} drafter" if preset in PRESETS else f"{preset} is not a preset"
+    return f"{where}; give one in the Run tab's drafter field"
+
+
+def method_note(name: str) -> str:
+    """One line on what the method does and what it needs, from the engine's registry."""
+    info = METHODS[name]
+    needs = ("It drafts with a drafter model: the preset's own, or the folder or preset in the drafter field."
+             if info.drafter_role else "It needs nothing but the target.")
+    return f"**{name}**: {info.summary}. {needs}"
 
 
 def all_knobs(methods: list[str]) -> list[Knob]:

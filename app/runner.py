@@ -26,6 +26,10 @@ from specflash.errors import SpecFlashError
 from specflash.models.presets import default_drafter
 from specflash.models.target import TargetModel
 from specflash.trace import RunRecord, StepRecord
+from specflash.models.acquire import default_cache_dir
+from specflash.verify_cost import cached_verify_cost
+
+from .views_lattice import lattice_ids
 
 try:  # a ZeroGPU Space: run decoding on the borrowed GPU
     import spaces
@@ -73,22 +77,27 @@ class Runner:
                     self._targets[key] = specflash.load(preset, device=device, cache_dir=self.cache_dir)
             return self._targets[key]
 
+    def verify_cost(self, preset: str, device: str, max_len: int = 8) -> list[float]:
+        """This device's verify-cost curve for the preset's target (measured once, then cached)."""
+        return cached_verify_cost(self.target(preset, device), max_len, self.cache_dir or default_cache_dir())
+
     def loaded(self, preset: str) -> TargetModel | None:
         return next((t for (name, _), t in self._targets.items() if name == preset), None)
 
     def decoding(self, target: TargetModel, preset: str, prompt: str, method: str, sampling: SamplingConfig,
-                 max_new_tokens: int, options: dict[str, Any]) -> Decoding:
-        """A ready Decoding; the preset's drafter is used where the method needs one."""
+                 max_new_tokens: int, options: dict[str, Any], drafter: str | None = None) -> Decoding:
+        """A ready Decoding with `drafter`, or the preset's drafter where the method needs one."""
         with engine_errors():
-            drafter = default_drafter(preset, method, self.cache_dir)
+            drafter = drafter or default_drafter(preset, method, self.cache_dir)
             return specflash.stream(target, prompt, method, max_new_tokens=max_new_tokens, sampling=sampling,
                                     drafter=drafter, options=options, cache_dir=self.cache_dir)
 
     def stream(self, preset: str, device: str, prompt: str, method: str, sampling: SamplingConfig,
-               max_new_tokens: int, options: dict[str, Any]) -> Iterator[tuple[StepRecord, RunRecord]]:
+               max_new_tokens: int, options: dict[str, Any], drafter: str | None = None,
+               ) -> Iterator[tuple[StepRecord, RunRecord]]:
         """(the new step, the run so far) after every target forward."""
         target = self.target(preset, device)
-        decoding = self.decoding(target, preset, prompt, method, sampling, max_new_tokens, options)
+        decoding = self.decoding(target, preset, prompt, method, sampling, max_new_tokens, options, drafter)
         steps: list[StepRecord] = []
         with engine_errors():
             for step in _steps(decoding):
@@ -98,10 +107,10 @@ class Runner:
         yield steps[-1], annotate_cuts(pack_run(decoding, steps, method))
 
     def generate(self, preset: str, device: str, prompt: str, method: str, sampling: SamplingConfig,
-                 max_new_tokens: int, options: dict[str, Any]) -> RunRecord:
+                 max_new_tokens: int, options: dict[str, Any], drafter: str | None = None) -> RunRecord:
         """A whole run at once (the Compare panel)."""
         run = None
-        for _, run in self.stream(preset, device, prompt, method, sampling, max_new_tokens, options):
+        for _, run in self.stream(preset, device, prompt, method, sampling, max_new_tokens, options, drafter):
             pass
         assert run is not None
         return run
@@ -137,7 +146,7 @@ def step_ids(step: StepRecord) -> list[int]:
     ada = step.extras.get("adaflash") if step.extras else None
     if ada:
         ids += list(ada.get("cut_tokens", []))
-    return ids
+    return ids + lattice_ids(step)
 
 
 @gpu

@@ -3,7 +3,8 @@
 Pure functions over StepRecords / RunRecords plus a token-text map (id -> text, decoded once by
 the runner with the target's tokenizer), so they are tested without a browser and render the
 same for a live run and for one imported from JSON. No gradio import: HTML strings and plotly
-figures only. Styles are inline so the HTML renders anywhere (Gradio, a notebook, a file).
+figures only (and TOKEN_CLICK_JS, the page script ui.py installs). Styles travel inside the
+returned HTML so it renders anywhere (Gradio, a notebook, a file).
 """
 
 from __future__ import annotations
@@ -16,14 +17,66 @@ import plotly.graph_objects as go
 
 from specflash.trace import RunRecord, StepRecord
 
-# origin kind -> (legend label, background colour)
+# origin kind -> (legend label, background colour); the labels for sampling (and for callers
+# that do not say the temperature); GREEDY_LABELS replaces what differs at temperature 0.
 ORIGINS: dict[str, tuple[str, str]] = {
     "accepted": ("accepted draft token", "#b7ebc0"),
     "resample": ("correction from the target (draft rejected)", "#ffd0a1"),
     "bonus": ("bonus from the target (whole draft accepted)", "#b9d4ff"),
     "target": ("target only (prefill / no draft)", "#ececec"),
 }
+GREEDY_LABELS = {"resample": "the target's argmax (draft rejected)"}
+ORIGIN_EDGES = {"accepted": "#2e9e44", "resample": "#e07b00", "bonus": "#2f6fd6", "target": "#8c8c8c"}
 STATUS_COLOURS = {"accepted": "#2e9e44", "rejected": "#d9534f", "unverified": "#9e9e9e"}
+Q_COLOUR = "#7a5cc9"
+GREEDY_RULE = "greedy: a draft token is accepted when it is the target's argmax"
+SAMPLED_RULE = "sampling: a draft token is kept with probability min(1, p/q)"
+POINT_MASS_RULE = "sampling, point-mass draft: the test takes q = 1, so a draft token is kept with probability p"
+
+# Scoped to .sf-out and shipped inside output_html, so the view is the same in Gradio, a notebook
+# and a saved file. Tokens carry no margin or padding (words stay whole); the hover card and the
+# newline mark are pseudo-elements, so a span's text is exactly the token's decoded text.
+TOKEN_CSS = (
+    ".sf-out .sf-legend{font-size:0.85em;margin-bottom:6px;line-height:2}"
+    ".sf-out .sf-chip{border-radius:3px;padding:1px 6px;margin-right:8px;color:#1f2328;white-space:nowrap}"
+    ".sf-out .sf-hint{color:#777;line-height:1.4}"
+    ".sf-out .sf-text{white-space:pre-wrap;overflow-wrap:anywhere;tab-size:4;line-height:1.7;"
+    "font-family:ui-monospace,Menlo,Consolas,monospace}"
+    ".sf-out .tok{position:relative;margin:0;padding:0;border-radius:0;color:#1f2328;cursor:pointer}"
+    ".sf-out .tok:hover{outline:1px solid rgba(0,0,0,0.6);z-index:20}"
+    ".sf-out .tok .nl::before{content:'\\21B5';color:rgba(0,0,0,0.35)}"
+    ".sf-out .tok:hover::after{content:attr(data-card);position:absolute;left:0;top:calc(100% + 4px);z-index:1000;"
+    "width:max-content;max-width:32em;white-space:pre-wrap;padding:6px 10px;background:#fff;color:#1f2328;"
+    "font:12px/1.5 ui-monospace,Menlo,Consolas,monospace;text-align:left;border:1px solid #d0d7de;"
+    "border-top:4px solid var(--sf-edge);border-radius:6px;box-shadow:0 4px 12px rgba(0,0,0,0.18);pointer-events:none}"
+    # Where anchor positioning exists, the card is fixed to the viewport (no container clips it)
+    # and flips left or above the token when it would run off the right or bottom edge.
+    "@supports (position-try-fallbacks: flip-inline){.sf-out .tok:hover{anchor-name:--sf-tok}"
+    ".sf-out .tok:hover::after{position:fixed;position-anchor:--sf-tok;left:anchor(left);top:anchor(bottom);"
+    "margin-top:4px;position-try-fallbacks:flip-inline,flip-block,flip-block flip-inline}}"
+    + "".join(f".sf-out .tok-{k}{{background:{ORIGINS[k][1]};--sf-edge:{ORIGIN_EDGES[k]}}}" for k in ORIGINS)
+)
+
+# Wired by ui.py as `demo.load(None, js=TOKEN_CLICK_JS)`: one listener on the document (so it
+# survives every re-render of #output) that writes a clicked token's step into the hidden
+# #token-step textbox and opens the Step inspector tab. In Gradio 6 a script-set value fires the
+# textbox's `change` event (not `input`), which moves the step slider; the value carries a click
+# counter ("STEP:N") so clicking the same token again is still a change.
+TOKEN_CLICK_JS = """() => {
+  if (window.specflashTokenClick) return;
+  window.specflashTokenClick = true;
+  let clicks = 0;
+  document.addEventListener('click', (event) => {
+    const tok = event.target.closest && event.target.closest('#output .tok[data-step]');
+    const box = document.querySelector('#token-step textarea, #token-step input');
+    if (!tok || !box) return;
+    clicks += 1;
+    box.value = tok.dataset.step + ':' + clicks;
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+    const tab = [...document.querySelectorAll('button[role=tab]')].find(b => b.textContent.trim() === 'Step inspector');
+    if (tab) tab.click();
+  });
+}"""
 
 
 @dataclass(frozen=True)
@@ -35,6 +88,27 @@ class Token:
     origin: str  # a key of ORIGINS
     p: float | None
     q: float | None
+    point_mass: bool = False  # verified as a point mass (q = 1), whatever q the trace shows
+
+
+def is_point_mass(step: StepRecord) -> bool:
+    """Whether the step's draft was verified with point-mass proposals (q = 1 in the test): drafts
+    without q, and the DFlash family's argmax blocks (extras "dflash"), whose trace q is the
+    drafter's own probability, kept for reference only (drafters/dflash.py)."""
+    return step.q is None or "dflash" in step.extras
+
+
+def is_greedy(temperature: float | None) -> bool:
+    """Temperature 0 is greedy verification (an argmax match); None, a caller that does not say,
+    keeps the sampling wording every view had before the temperature was passed in."""
+    return temperature is not None and temperature <= 0
+
+
+def origin_label(origin: str, temperature: float | None = None) -> str:
+    """The human label of a token origin; at T = 0 a correction is the target's argmax, not a resample."""
+    if is_greedy(temperature) and origin in GREEDY_LABELS:
+        return GREEDY_LABELS[origin]
+    return ORIGINS[origin][0]
 
 
 def token_text(texts: Mapping[int, str], token: int) -> str:
@@ -50,7 +124,7 @@ def step_tokens(step: StepRecord) -> list[Token]:
         if i < len(step.accepted):
             node = step.accepted[i]
             q = step.q[node] if step.q is not None else None
-            out.append(Token(token, step.step, "accepted", step.p[node], q))
+            out.append(Token(token, step.step, "accepted", step.p[node], q, is_point_mass(step)))
         else:
             kind = step.correction_kind if step.correction_kind in ORIGINS else "target"
             out.append(Token(token, step.step, kind, step.correction_p, None))
@@ -65,32 +139,69 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def token_span(token: Token, texts: Mapping[int, str]) -> str:
-    """One token as a coloured span; its title says the step, the origin, p and q."""
-    label, colour = ORIGINS[token.origin]
-    title = f"step {token.step} · {label} · id {token.id} · p={_fmt(token.p)} q={_fmt(token.q)}"
-    text = html.escape(token_text(texts, token.id))
+def accept_probability(p: float, q: float | None, point_mass: bool) -> float | None:
+    """min(1, p/q) with the q the sampled test used: 1 for a point mass; None when q is 0."""
+    used = 1.0 if point_mass else q
+    return min(1.0, p / used) if used else None
+
+
+def acceptance_text(token: Token, temperature: float | None = None) -> str:
+    """How the target's test treated the token: an argmax match at T = 0, else min(1, p/q), with
+    q = 1 for a point-mass draft (the target's own tokens were never tested)."""
+    if token.origin != "accepted" or token.p is None:
+        return "n/a: the target's own token"
+    if is_greedy(temperature):
+        return "greedy: argmax match"
+    ratio = _fmt(accept_probability(token.p, token.q, token.point_mass))
+    return f"min(1, p/1) = {ratio} (point-mass draft)" if token.point_mass else f"min(1, p/q) = {ratio}"
+
+
+def hover_card(token: Token, texts: Mapping[int, str], temperature: float | None = None) -> str:
+    """The plain-text lines of a token's hover card: step, origin, the token, p, q, acceptance."""
+    q = _fmt(token.q) if token.origin == "accepted" else "n/a: not drafted"
+    return "\n".join([
+        f"step {token.step} · {origin_label(token.origin, temperature)}",
+        f"token       {token_text(texts, token.id)!r} (id {token.id})",
+        f"p (target)  {_fmt(token.p)}",
+        f"q (draft)   {q}",
+        f"acceptance  {acceptance_text(token, temperature)}",
+    ])
+
+
+def _text_html(text: str) -> str:
+    """Escaped token text with an empty marker before each newline, which the CSS draws as a
+    faint ↵: a newline token is otherwise invisible, and the marker adds no text of its own."""
+    return html.escape(text).replace("\n", '<span class="nl"></span>\n')
+
+
+def token_span(token: Token, texts: Mapping[int, str], temperature: float | None = None) -> str:
+    """One token as a span of its decoded text, coloured by origin (TOKEN_CSS); its hover card
+    (data-card) says the step, the origin, p and q."""
+    card = html.escape(hover_card(token, texts, temperature))
     return (
-        f'<span class="tok tok-{token.origin}" data-step="{token.step}" title="{html.escape(title)}" '
-        f'style="background:{colour};border-radius:3px;padding:0 1px;margin:0 1px 0 0">{text}</span>'
+        f'<span class="tok tok-{token.origin}" data-step="{token.step}" data-card="{card}">'
+        f"{_text_html(token_text(texts, token.id))}</span>"
     )
 
 
-def legend_html() -> str:
-    chips = "".join(
-        f'<span style="background:{c};border-radius:3px;padding:1px 6px;margin-right:8px">{html.escape(l)}</span>'
-        for l, c in ORIGINS.values()
+def legend_html(temperature: float | None = None) -> str:
+    """The origin colours with their labels (argmax wording at T = 0) and how to use the view."""
+    chips = " ".join(
+        f'<span class="sf-chip" style="background:{colour}">{html.escape(origin_label(kind, temperature))}</span>'
+        for kind, (_, colour) in ORIGINS.items()
     )
-    return f'<div class="tok-legend" style="font-size:0.85em;margin-bottom:6px">{chips}</div>'
+    hint = '<div class="sf-hint">hover a token for its step, p and q; in the app, click it to open its step</div>'
+    return f'<div class="sf-legend">{chips}{hint}</div>'
 
 
-def output_html(steps: Sequence[StepRecord], texts: Mapping[int, str]) -> str:
-    """The generated text, every token coloured by origin, with the legend above it."""
-    spans = "".join(token_span(t, texts) for t in run_tokens(steps))
+def output_html(steps: Sequence[StepRecord], texts: Mapping[int, str], temperature: float | None = None) -> str:
+    """The generated text as it reads, every token coloured by origin, with the legend above it
+    and the styles inside (pass the run's temperature so T = 0 says argmax, not resample)."""
+    spans = "".join(token_span(t, texts, temperature) for t in run_tokens(steps))
     body = spans or '<span style="color:#888">(no tokens yet)</span>'
     return (
-        f'<div class="specflash-output">{legend_html()}'
-        f'<div style="white-space:pre-wrap;font-family:monospace;line-height:1.7">{body}</div></div>'
+        f'<div class="sf-out specflash-output"><style>{TOKEN_CSS}</style>{legend_html(temperature)}'
+        f'<div class="sf-text">{body}</div></div>'
     )
 
 
@@ -128,10 +239,16 @@ def node_status(step: StepRecord) -> list[str]:
     ]
 
 
-def stop_summary(step: StepRecord, texts: Mapping[int, str]) -> str:
+def _correction_kind(kind: str, temperature: float | None) -> str:
+    """A correction's kind as the stop summary words it: at T = 0 the target did not resample."""
+    return "the target's argmax, draft rejected" if is_greedy(temperature) and kind == "resample" else kind
+
+
+def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float | None = None) -> str:
     """Where verification stopped and what the target added, in one sentence."""
     correction = html.escape(repr(token_text(texts, step.correction)))
-    tail = f"the target added {correction} ({step.correction_kind}, p={step.correction_p:.3f})"
+    kind = _correction_kind(step.correction_kind, temperature)
+    tail = f"the target added {correction} ({kind}, p={step.correction_p:.3f})"
     if step.phase == "prefill":
         return f"Prefill over {step.context_len} prompt tokens: {tail}."
     gate = step.extras.get("gate")
@@ -152,38 +269,98 @@ def gate_summary(steps: Sequence[StepRecord]) -> str | None:
     return f"on {states.count('on')}, off {states.count('off')}, probe {states.count('probe')} steps"
 
 
-def step_table_html(step: StepRecord, texts: Mapping[int, str]) -> str:
-    """The step's draft as a table: node, parent, token, q, p, min(1, p/q), status."""
-    head = "<tr><th>node</th><th>parent</th><th>token</th><th>q (draft)</th><th>p (target)</th><th>min(1,p/q)</th><th>status</th></tr>"
+def verification_rule(step: StepRecord, temperature: float) -> str:
+    """The acceptance rule this step's draft was verified by, in words."""
+    return GREEDY_RULE if is_greedy(temperature) else POINT_MASS_RULE if is_point_mass(step) else SAMPLED_RULE
+
+
+def _q_note(step: StepRecord, temperature: float) -> str:
+    """Says what a q column means when the test did not use it (point masses at T > 0)."""
+    shown = step.q is not None and is_point_mass(step) and not is_greedy(temperature)
+    return " (q is the drafter's own probability, shown for reference)" if shown else ""
+
+
+def step_table_html(step: StepRecord, texts: Mapping[int, str], temperature: float | None = None) -> str:
+    """The step's draft as a table: node, parent, token, q, p, min(1, p/q), status; at T = 0 the
+    ratio column goes (greedy verification is an argmax match) and the rule is said instead."""
+    greedy, point_mass = is_greedy(temperature), is_point_mass(step)
+    columns = ["node", "parent", "token", "q (draft)", "p (target)"] + ([] if greedy else ["min(1,p/q)"]) + ["status"]
+    head = "<tr>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>"
     rows = []
     for i, (token, parent, status) in enumerate(zip(step.tokens, step.parents, node_status(step))):
         q = step.q[i] if step.q is not None else None
-        ratio = "n/a" if not q else f"{min(1.0, step.p[i] / q):.3f}"
-        colour = STATUS_COLOURS[status]
+        ratio = "" if greedy else f"<td>{_fmt(accept_probability(step.p[i], q, point_mass))}</td>"
         rows.append(
             f'<tr class="node-{status}"><td>{i}</td><td>{"root" if parent < 0 else parent}</td>'
             f"<td><code>{html.escape(repr(token_text(texts, token)))}</code></td><td>{_fmt(q)}</td>"
-            f'<td>{_fmt(step.p[i])}</td><td>{ratio}</td><td style="color:{colour};font-weight:600">{status}</td></tr>'
+            f"<td>{_fmt(step.p[i])}</td>{ratio}"
+            f'<td style="color:{STATUS_COLOURS[status]};font-weight:600">{status}</td></tr>'
         )
     table = f'<table class="step-table">{head}{"".join(rows)}</table>' if rows else ""
-    return f'<div class="step-inspector"><p>{stop_summary(step, texts)}</p>{table}</div>'
+    rule = ""
+    if rows and temperature is not None:
+        rule = f"<p><em>{verification_rule(step, temperature)}{_q_note(step, temperature)}.</em></p>"
+    return f'<div class="step-inspector"><p>{stop_summary(step, texts, temperature)}</p>{rule}{table}</div>'
 
 
-def step_figure(step: StepRecord, texts: Mapping[int, str]) -> go.Figure:
-    """Per draft node, the target's p and the drafter's q of its token; bars coloured by status."""
+def no_draft_reason(step: StepRecord) -> str:
+    """Why a step verified no draft: the prefill, the draft gate's reason, or an empty proposal."""
+    if step.phase == "prefill":
+        return "the prefill (the prompt forward yields the first new token)"
+    gate = step.extras.get("gate")
+    if gate and gate["state"] == "off":
+        return f"the draft gate was off ({gate['reason']})"
+    return "the drafter proposed nothing"
+
+
+def _no_draft_figure(step: StepRecord, texts: Mapping[int, str]) -> go.Figure:
+    """A step without a draft has no bars to draw: say so in words on blank, axis-less paper."""
+    added = html.escape(repr(token_text(texts, step.correction)))
+    fig = go.Figure()
+    fig.add_annotation(text=f"<b>no draft this step</b>: {html.escape(no_draft_reason(step))}"
+                            f"<br>the target added {added} (p={step.correction_p:.3f})",
+                       x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#444"))
+    fig.update_layout(title=f"step {step.step}: no draft", xaxis=dict(visible=False), yaxis=dict(visible=False),
+                      height=220, margin=dict(l=20, r=20, t=50, b=20), plot_bgcolor="white", showlegend=False)
+    return fig
+
+
+def step_figure(step: StepRecord, texts: Mapping[int, str], temperature: float | None = None) -> go.Figure:
+    """Per draft node, the target's p and the drafter's q of its token. The p bars are one trace
+    per status, so every legend swatch is the colour of the bars it names; the node labels take
+    their status colour too, since a rejected node's p is often too small to see as a bar."""
+    if not step.tokens:
+        return _no_draft_figure(step, texts)
     labels = [f"{i}: {token_text(texts, t)!r}" for i, t in enumerate(step.tokens)]
     status = node_status(step)
     fig = go.Figure()
-    fig.add_bar(
-        x=labels, y=step.p, name="p (target)", marker_color=[STATUS_COLOURS[s] for s in status],
-        customdata=status, hovertemplate="%{x}<br>p=%{y:.3f}<br>%{customdata}<extra></extra>",
-    )
+    for kind, colour in STATUS_COLOURS.items():
+        nodes = [i for i, s in enumerate(status) if s == kind]
+        if nodes:
+            fig.add_bar(x=[labels[i] for i in nodes], y=[step.p[i] for i in nodes], name=f"p (target), {kind}",
+                        marker_color=colour, offsetgroup="p",
+                        hovertemplate=f"%{{x}}<br>p=%{{y:.3f}}<br>{kind}<extra></extra>")
     if step.q is not None:
-        fig.add_bar(x=labels, y=step.q, name="q (draft)", marker_color="#7a5cc9", opacity=0.6)
-    title = f"step {step.step}: " + ("no draft" if not step.tokens else f"{step.accepted_len}/{len(step.tokens)} accepted")
+        fig.add_bar(x=labels, y=step.q, name="q (draft)", marker_color=Q_COLOUR, opacity=0.6, offsetgroup="q",
+                    hovertemplate="%{x}<br>q=%{y:.3f}<extra></extra>")
+    title = f"step {step.step}: {step.accepted_len}/{len(step.tokens)} accepted"
+    if temperature is not None:
+        title += f"<br><sup>{verification_rule(step, temperature)}</sup>"
     fig.update_layout(title=title, barmode="group", yaxis=dict(title="probability", range=[0, 1.05]), height=340,
-                      margin=dict(l=40, r=20, t=50, b=40), showlegend=True)
+                      xaxis=dict(categoryorder="array", categoryarray=labels, tickvals=labels,
+                                 ticktext=[f'<span style="color:{STATUS_COLOURS[s]}">{html.escape(l)}</span>'
+                                           for l, s in zip(labels, status)]),
+                      margin=dict(l=40, r=20, t=60, b=40), showlegend=True)
     return fig
+
+
+def clicked_step(value: str | float | None, run: RunRecord | None) -> int | None:
+    """The step a click in the token view asks for: the hidden #token-step box holds
+    "STEP:CLICK" (TOKEN_CLICK_JS); None when there is no run or the value is not a step."""
+    head = str(value or "").split(":")[0].strip()
+    if run is None or not run.steps or not head.isdigit():
+        return None
+    return min(int(head), len(run.steps) - 1)
 
 
 def last_step(run: RunRecord | None) -> int:

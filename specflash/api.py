@@ -97,7 +97,8 @@ def stream(
         built = drafter
     else:
         built = build_drafter(method, target, options, drafter, cache_dir=cache_dir)
-    return Decoding(target, built, ids, sampling, max_new_tokens, stop_on_eos)
+    return Decoding(target, built, ids, sampling, max_new_tokens, stop_on_eos,
+                    prompt_text=prompt if isinstance(prompt, str) else None)
 
 
 def sampling_from(sampling: SamplingConfig | None, temperature: float | None = None, top_p: float | None = None,
@@ -123,6 +124,7 @@ def pack_run(decoding: Decoding, steps: list[StepRecord], method: str, finish_re
         output_ids=list(decoding.output),
         finish_reason=finish_reason or decoding.finish_reason or "stopped",
         prefill_time=steps[0].verify_time if steps else 0.0,
+        prompt=decoding.prompt_text,
     )
     run.metrics = summarize(run)
     return run

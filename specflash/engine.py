@@ -78,8 +78,11 @@ class Decoding:
         sampling: SamplingConfig,
         max_new_tokens: int | None,
         stop_on_eos: bool = True,
+        prompt_text: str | None = None,
     ) -> None:
+        """`prompt_text`: the prompt as the user wrote it, kept only so the run's record can say it."""
         self.target = target
+        self.prompt_text = prompt_text
         self.drafter = drafter
         self.prompt_ids = list(prompt_ids)
         self.sampling = sampling

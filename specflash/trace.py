@@ -70,6 +70,7 @@ class RunRecord:
     finish_reason: str
     prefill_time: float
     metrics: dict[str, Any] = field(default_factory=dict)
+    prompt: str | None = None  # the text as given, before any chat template (None when ids were given)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -7,6 +7,7 @@ Playwright cannot download a browser on our machines, so this drives Debian's /u
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -81,6 +82,7 @@ def wait_done(page, method: str) -> None:
 
 
 def _wait_stats(page, method: str) -> None:
+    """The stats say the run finished (they say so only once every panel is drawn)."""
     page.wait_for_function(
         """m => { const rows = (document.querySelector('#stats')?.innerText || '').split('\\n');
                   const cell = k => (rows.find(r => r.startsWith(k + '\\t')) || '').split('\\t')[1];
@@ -119,8 +121,14 @@ def test_every_method_in_the_browser(page, target, tiny_root):
         want = [f"tok-{'accepted' if i < len(s.accepted) else s.correction_kind}"
                 for s in expected.steps for i in range(len(s.committed))]
         assert classes == want, method
-        assert page.locator("#output .tok").first.get_attribute("title").startswith("step 0")
+        assert page.locator("#output .tok").first.get_attribute("data-card").startswith("step 0")
         shot(page, f"run-{method}")
+        if method == "draft":  # a token click opens the step inspector at that token's step
+            token = page.locator("#output .tok[data-step]").nth(3)
+            token.click()
+            page.wait_for_timeout(600)
+            assert page.locator("#step-slider input[type=number]").input_value() == token.get_attribute("data-step")
+            assert page.get_by_role("tab", name="Step inspector").get_attribute("aria-selected") == "true"
         tab(page, "Step inspector")
         page.locator("#step-plot .js-plotly-plot").wait_for()
         assert "the target added" in page.locator("#step-table").inner_text()
@@ -169,6 +177,7 @@ def test_imported_run_feeds_the_head_panels(page, target, tiny_root):
     shot(page, "adaflash")
     tab(page, "Run")
     assert page.locator("#output .tok-accepted").count() > 0
+    assert page.locator("#method input").input_value() == "draft"  # the controls took the run's settings
     shot(page, "run-imported")
 
 
@@ -183,4 +192,10 @@ def test_compare_panel(page):
     table = page.locator("#compare-table").inner_text()
     assert "ar" in table and "pld" in table
     page.locator("#accept-plot .js-plotly-plot").wait_for()
+    page.locator("#cost-plot .js-plotly-plot").wait_for()
+    assert page.locator("#compare-outputs .compare-output").count() >= 2
     shot(page, "compare")
+    page.locator("#compare-table [role=gridcell]", has_text=re.compile(r"^\s*pld\s*$")).first.click()
+    tab(page, "Run")
+    wait_done(page, "pld")
+    assert "Loaded from Compare: pld" in page.locator("#stats").inner_text()

@@ -12,6 +12,7 @@ import pytest
 gradio_client = pytest.importorskip("gradio_client")
 
 import specflash
+from app import handlers
 from app.methods import all_knobs, available_methods, method_available
 from app.ui import build_demo
 from specflash.config import SamplingConfig
@@ -24,8 +25,10 @@ MAX_NEW = 16
 KNOBS = all_knobs(available_methods())
 # /run, /import_json and /stop return the Run outputs in this order (the session state is not sent)
 OUT = {name: i for i, name in enumerate((
-    "html", "text", "stats", "step_slider", "step_fig", "step_html", "ptd_slider", "ptd_fig", "ptd_note",
-    "dels_fig", "dels_note", "ada_fig", "ada_note", "ada_slider", "ada_cut", "json", "file"))}
+    "html", "text", "stats", "step_slider", "step_fig", "step_html", "ptd_slider", "ptd_fig", "ptd_anim", "ptd_note",
+    "dels_note", "dels_summary", "dels_slider", "dels_fig", "dels_step", "ada_fig", "ada_note", "ada_slider", "ada_cut",
+    "lattice_run", "lattice_slider", "lattice_fig", "lattice_note", "json", "file",
+    "set_prompt", "set_method", "set_model", "set_temperature", "set_top_p", "set_seed", "set_max_tokens"))}
 
 
 def free_port() -> int:
@@ -49,12 +52,20 @@ def target(tiny_root):
     return specflash.load(PRESET, device="cpu", cache_dir=tiny_root)
 
 
-def run_args(prompt=PROMPT, method="ar", temperature=0.0, top_p=1.0, seed=0, knobs=None, model=PRESET):
+def run_args(prompt=PROMPT, method="ar", temperature=0.0, top_p=1.0, seed=0, knobs=None, model=PRESET, drafter="",
+             max_new=MAX_NEW):
     """Positional inputs of /run: the Run panel's controls, then every knob (defaults unless given)."""
     knobs = knobs or {}
     values = [knobs.get(k.name, k.default) if k.method == method else k.default for k in KNOBS]
     values = ["" if v is None else v for v in values]  # blank text boxes, as the browser sends them
-    return [prompt, method, model, "cpu", temperature, top_p, seed, MAX_NEW, *values]
+    return [prompt, method, model, "cpu", drafter, temperature, top_p, seed, max_new, *values]
+
+
+def compare_args(methods, repeats=1, **kw):
+    """Positional inputs of /compare: the Run panel's prompt and settings (no method), the methods,
+    the repeats, then every knob."""
+    args = run_args(**kw)
+    return [args[0], *args[2:9], methods, repeats, *args[9:]]
 
 
 def reference(target, tiny_root, method, temperature=0.0, top_p=1.0, seed=0):
@@ -125,15 +136,48 @@ def test_import_feeds_every_panel(client, target, tiny_root):
     assert json.loads(outputs[OUT["json"]])["output_ids"] == run.output_ids
     assert "no PTD tree" in outputs[OUT["ptd_note"]] and "no DeLS" in outputs[OUT["dels_note"]]
     assert outputs[OUT["step_slider"]]["maximum"] == len(run.steps) - 1
-    with pytest.raises(gradio_client.exceptions.AppError, match="not a SpecFlash run JSON"):
+    with pytest.raises(gradio_client.exceptions.AppError, match="not JSON .* a SpecFlash run JSON is an object"):
         client.predict("{not json", api_name="/import_json")
 
 
-def test_compare_runs_ar_as_the_baseline(client):
-    args = run_args()
-    compare_args = [args[0], *args[2:8], ["pld"], *args[8:]]
-    table, _, _, note = client.predict(*compare_args, api_name="/compare")
-    rows = table["data"]
+def test_compare_runs_ar_as_the_baseline_with_repeats(client):
+    table, _, _, note, cost, outputs = client.predict(*compare_args(["pld"], repeats=2), api_name="/compare")
+    rows, columns = table["data"], table["headers"]
     assert [r[0] for r in rows] == ["ar", "pld"]
-    assert rows[0][6] == 1.0 and rows[1][8] == "yes"
-    assert "measured on cpu" in note
+    speedup, identical = columns.index("speedup vs ar median (range)"), columns.index("identical to ar")
+    assert rows[0][speedup] == "1.00x" and rows[1][identical] == "yes"
+    assert all(r[columns.index("sampling")] == "T=0 (greedy), top-p 1, seed 0" for r in rows)
+    assert "measured on cpu" in note and "median of 2 interleaved repeat(s)" in note
+    assert outputs.count('class="compare-output"') == 2
+
+
+def test_the_token_limit_is_said_when_it_is_not_what_was_typed(client, monkeypatch):
+    monkeypatch.setattr(handlers, "MAX_NEW_TOKENS", 20)  # the server runs in this process
+    outputs, _ = final_outputs(client, run_args(max_new=100000))
+    assert "asked 100000, used 20" in outputs[OUT["stats"]]
+    assert len(json.loads(outputs[OUT["json"]])["output_ids"]) <= 20
+    with pytest.raises(gradio_client.exceptions.AppError, match="max new tokens must be at least 1"):
+        client.predict(*run_args(max_new=0), api_name="/run")
+
+
+def test_import_restores_the_run_tab(client, target, tiny_root):
+    run = specflash.generate(target, "Count to five.", "pld", max_new_tokens=MAX_NEW, options={"k": 3},
+                             sampling=SamplingConfig(temperature=0.7, top_p=0.9, seed=5), cache_dir=tiny_root)
+    outputs = client.predict(run.to_json(), api_name="/import_json")
+    assert outputs[OUT["set_prompt"]] == "Count to five."
+    assert outputs[OUT["set_method"]] == "pld"
+    assert (outputs[OUT["set_temperature"]], outputs[OUT["set_top_p"]], outputs[OUT["set_seed"]]) == (0.7, 0.9, 5)
+    k = next(i for i, knob in enumerate(KNOBS) if (knob.method, knob.name) == ("pld", "k"))
+    assert outputs[len(OUT) + k] == 3
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[1, 2]", "this JSON is not an object (it is a list)"),
+    ('{"method": "ar"}', "it has no config, sampling"),
+    ('{"method": "ar", "config": {}, "sampling": {}, "model": "m", "device": "cpu", "prompt_ids": [], '
+     '"steps": [3], "output_ids": [], "finish_reason": "eos", "prefill_time": 0}', "steps[0] is not an object (it is 3)"),
+])
+def test_a_wrongly_shaped_json_gets_a_plain_message(client, text, message):
+    with pytest.raises(gradio_client.exceptions.AppError) as info:
+        client.predict(text, api_name="/import_json")
+    assert message in str(info.value) and "mapping" not in str(info.value)

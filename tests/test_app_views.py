@@ -1,5 +1,5 @@
 """The app's pure views on recorded traces: real runs of every method on a tiny preset, plus
-hand-built StepRecords carrying PTD / DeLS / AdaFlash extras (those methods may not exist yet)."""
+hand-built StepRecords carrying PTD extras (the DeLS and AdaFlash views: test_app_heads.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import pytest
 
 import specflash
-from app import views, views_compare, views_heads, views_tree
+from app import views, views_tree
 from app.methods import all_knobs, available_methods, method_knobs, options_for
 from specflash.errors import SpecFlashError
 from specflash.models.presets import default_drafter
@@ -16,7 +16,7 @@ from specflash.trace import RunRecord, StepRecord
 
 PRESET = "tiny-qwen3"
 PROMPT = "What is 12 * 7? The answer is 84. What is 12 * 7?"
-SPAN = re.compile(r'<span class="tok tok-(\w+)" data-step="(\d+)" title="([^"]*)"')
+SPAN = re.compile(r'<span class="tok tok-(\w+)" data-step="(\d+)" data-card="([^"]*)"')
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_output_spans_carry_each_tokens_origin_step_and_probabilities(runs, text
     spans = SPAN.findall(views.output_html(run.steps, texts))
     assert [(kind, int(step)) for kind, step, _ in spans] == expected_origins(run)
     assert len(spans) == len(run.output_ids)
-    assert all("p=" in title and "q=" in title for _, _, title in spans)
+    assert all("p (target)" in card and "q (draft)" in card for _, _, card in spans)
     if method == "ar":
         assert {kind for kind, _, _ in spans} == {"target"}
 
@@ -73,7 +73,7 @@ def test_draft_run_shows_accepted_tokens_with_their_q(runs, texts):
     step = next(s for s in run.steps if s.accepted and len(s.committed) > 1)
     token = views.step_tokens(step)[0]
     assert token.origin == "accepted" and token.q == pytest.approx(step.q[step.accepted[0]])
-    assert f"q={step.q[step.accepted[0]]:.3f}" in views.token_span(token, texts)
+    assert f"q (draft)   {step.q[step.accepted[0]]:.3f}" in views.token_span(token, texts)
 
 
 def test_views_read_a_run_back_from_json_the_same(runs, texts):
@@ -114,8 +114,9 @@ def test_step_inspector_marks_where_verification_stopped():
     assert table.count('class="node-accepted"') == 2 and 'class="node-rejected"' in table
     assert "stopped after 2 accepted token(s) of 4" in table and "&#x27;X&#x27; (resample, p=0.400)" in table
     fig = views.step_figure(step, {})
-    assert list(fig.data[0].y) == step.p and list(fig.data[1].y) == step.q
-    assert fig.data[0].marker.color[2] == views.STATUS_COLOURS["rejected"]
+    bars = {t.name: (list(t.y), t.marker.color) for t in fig.data}
+    assert bars["p (target), rejected"] == ([step.p[2]], views.STATUS_COLOURS["rejected"])
+    assert bars["p (target), accepted"][0] == step.p[:2] and bars["q (draft)"][0] == step.q
 
 
 def test_step_inspector_bonus_and_point_mass_draft():
@@ -147,15 +148,15 @@ def test_ptd_figure_highlights_the_accepted_path_and_colours_the_update():
     step = ptd_step()
     fig = views_tree.ptd_figure(step, {5: "a"})
     accepted = _traces(fig, "accepted")[0]
-    assert sorted(accepted.customdata) == [0, 1] and accepted.marker.color == views_tree.NODE_COLOURS["accepted"]
-    assert sorted(_traces(fig, "verified")[0].customdata) == [2, 3]
+    assert sorted(accepted.customdata) == [0, 1] and accepted.marker.color == views.STATUS_COLOURS["accepted"]
+    assert sorted(_traces(fig, "rejected")[0].customdata) == [2, 3]  # the step inspector's word, not "verified"
     path = _traces(fig, "accepted path")[0]
-    assert len(path.x) == 3 and path.line.width == 4  # root + two accepted nodes
-    cats = {t.name: (t.xaxis, sorted(t.customdata)) for t in fig.data if t.name in ("pruned", "added", "inherited")}
-    assert cats == {"pruned": ("x2", [0]), "added": ("x3", [2, 3]), "inherited": ("x3", [1])}
+    assert len(path.x) == 3 and path.line.width >= 4  # root + two accepted nodes
+    cats = {t.name: (t.xaxis, sorted(t.customdata)) for t in fig.data if t.name in ("pruned", "added")}
+    assert cats == {"pruned": ("x2", [0]), "added": ("x3", [2, 3])}
     kept = [(t.xaxis, sorted(t.customdata)) for t in _traces(fig, "kept")]
-    assert kept == [("x2", [1, 2]), ("x3", [0])]
-    assert "guess size 4, lookahead size 4" in fig.layout.title.text
+    assert kept == [("x2", [1, 2]), ("x3", [0, 1])]  # every surviving node is "kept", inherited or not
+    assert "2 of 4 guess nodes accepted" in fig.layout.title.text and "+2 added, −1 pruned" in fig.layout.title.text
 
 
 def test_ptd_figure_of_a_real_ptd_run_matches_its_extras(runs, texts):
@@ -168,7 +169,7 @@ def test_ptd_figure_of_a_real_ptd_run_matches_its_extras(runs, texts):
     assert sorted(added) == sorted(ptd["added"])
     pruned = [i for t in _traces(fig, "pruned") for i in t.customdata]
     assert sorted(pruned) == sorted(ptd["pruned"])
-    n_nodes = sum(len(t.customdata) for t in fig.data if t.name in views_tree.NODE_COLOURS)
+    n_nodes = sum(len(t.customdata) for t in fig.data if t.name in views_tree.STYLES)
     assert n_nodes == len(step.tokens) + len(ptd["draft_before"]["tokens"]) + len(ptd["draft_after"]["tokens"])
 
 
@@ -176,63 +177,6 @@ def test_ptd_empty_state_for_other_methods(runs):
     assert not views_tree.has_ptd(runs["ar"].steps)
     assert views_tree.has_ptd([ptd_step()])
     assert "no PTD tree" in views_tree.NO_PTD
-
-
-def dels_step() -> StepRecord:
-    dels = {"long": [2.0, 1.5, 0.5, 1.0], "short": [0.5, -0.2, 1.2, 0.1], "prior": [0.1, 0.1, 0.1, 0.1],
-            "flipped": [False, False, True, False]}
-    return chain_step(extras={"dels": dels})
-
-
-def test_dels_figure_stacks_components_and_stars_flipped_tokens():
-    fig = views_heads.dels_figure([chain_step(step=1), dels_step()], {})
-    long, short, prior = (fig.data[i] for i in range(3))
-    assert list(long.y) == [2.0, 1.5, 0.5, 1.0] and list(short.y) == [0.5, -0.2, 1.2, 0.1]
-    assert fig.layout.barmode == "relative" and prior.name == "prior"
-    assert list(fig.data[3].text) == ["✓", "✓", "✗", "·"]
-    flipped = _traces(fig, "short expert flipped the argmax")[0]
-    assert list(flipped.x) == [long.x[2]] and long.x[2].startswith("s3·2")
-
-
-def test_adaflash_predicted_vs_accepted_and_the_cut():
-    ada = {"score": 0.7, "verify_len": 3, "cut_tokens": [11, 12], "rule": "threshold"}
-    steps = [chain_step(step=1), chain_step(step=2, extras={"adaflash": ada})]
-    fig = views_heads.adaflash_figure(steps)
-    assert list(fig.data[0].x) == [2] and list(fig.data[0].y) == [2] and list(fig.data[1].y) == [3]
-    assert "threshold" in fig.layout.title.text
-    html = views_heads.adaflash_cut_html(steps[1], {11: "k", 12: "l"})
-    before, after = html.split("✂")
-    assert before.count("draft-accepted") == 2 and after.count('class="draft-cut"') == 2 and "&#x27;l&#x27;" in after
-    assert not views_heads.has_extras(steps[:1], "adaflash")
-
-
-def test_compare_rows_and_figures_are_labelled_with_the_device(runs):
-    chosen = [runs[m] for m in ("ar", "pld", "draft")]
-    rows = views_compare.compare_rows(chosen)
-    assert [r[0] for r in rows] == ["ar", "pld", "draft"]
-    assert rows[0][6] == 1.0 and all(r[8] == "yes" for r in rows)  # greedy: every method equals ar
-    for fig in (views_compare.compare_figure(chosen), views_compare.acceptance_figure(chosen)):
-        assert "measured on cpu" in fig.layout.title.text
-    hist = views_compare.acceptance_figure(chosen).data
-    assert any(t.type == "bar" and t.name == "pld" for t in hist)
-    colours = {}
-    for trace in hist:  # the histogram's bars take the colour their legend entry shows
-        colour = trace.marker.color if trace.type == "bar" else trace.line.color
-        assert colours.setdefault(trace.name, colour) == colour
-    assert len(set(colours.values())) == len(colours)
-    lines = [shape for shape in views_compare.compare_figure(chosen).layout.shapes if shape.y0 == shape.y1 == 1.0]
-    assert len(lines) == 1 and lines[0].yref == "y3"  # the 1.0 line sits on the speedup chart
-
-
-def test_compare_says_what_identical_means_and_has_no_rate_for_one_token(runs):
-    sampled = RunRecord.from_dict({**runs["pld"].to_dict(), "sampling": {**runs["pld"].sampling, "temperature": 0.7}})
-    rows = views_compare.compare_rows([runs["ar"], sampled])
-    assert rows[1][8] == "sampled: equal in distribution, not token for token"
-    one = RunRecord.from_dict({**runs["ar"].to_dict(), "steps": runs["ar"].to_dict()["steps"][:1]})
-    one.metrics = {**runs["ar"].metrics, "decode_steps": 0, "tokens_per_s": 0.0, "mean_acceptance_length": 0.0}
-    row = views_compare.compare_rows([one])[0]
-    assert row[3] == row[4] == "n/a"
-    assert "| mean_acceptance_length | n/a (no decode step) |" in views.stats_markdown(one)
 
 
 def test_options_come_from_the_method_configs():
@@ -248,13 +192,3 @@ def test_options_come_from_the_method_configs():
     assert options_for("pld", knobs, values) == {"k": 6, "max_ngram": 3, "min_ngram": 1}
     assert options_for("draft", knobs, [None, 6, 3, 1]) == {"k": 4}
     assert options_for("ar", knobs, values) == {}
-
-
-def test_adaflash_without_a_head_and_with_hindsight():
-    ada = {"score": None, "verify_len": 2, "cut_tokens": [11, 12], "rule": "cost", "cut_would_accept": 1}
-    steps = [chain_step(step=2, extras={"adaflash": ada})]
-    fig = views_heads.adaflash_figure(steps)
-    assert not _traces(fig, "length-head score r")  # no head, no score line
-    assert list(_traces(fig, "cut tokens greedy would accept (hindsight)")[0].y) == [1]
-    html = views_heads.adaflash_cut_html(steps[0], {11: "k", 12: "l"})
-    assert "score" not in html and "would have accepted 1" in html

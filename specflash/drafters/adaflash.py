@@ -24,7 +24,7 @@ temperature 0 it follows from the finished run alone (`annotate_cuts`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,13 @@ ESTIMATES = ("confidence", "head")
 
 @dataclass(frozen=True)
 class AdaFlashConfig(DFlashConfig):
-    rule: str = "cost"
+    rule: str = field(default="cost", metadata={"choices": RULES})
     fixed_len: int = 3
     threshold: float = 0.5
     rate: float = 1.0
     min_len: int = 1
-    estimate: str = "confidence"  # what the cost rule reads as acceptance: draft confidences or the head
+    # what the cost rule reads as acceptance: draft confidences or the head
+    estimate: str = field(default="confidence", metadata={"choices": ESTIMATES})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -12,7 +12,7 @@ the guess tree and the committed text, feed the pool. See docs/ptd.md and resear
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +44,13 @@ class PTDConfig:
     kept per key; seed_prompt: fill the pool with the prompt's n-grams before decoding.
     """
 
-    preset: str = "cpu"
+    preset: str = field(default="cpu", metadata={"choices": tuple(PRESETS)})
     max_depth: int | None = None
     max_children: int | None = None
     window: int | None = None
     guess_budget: int | None = None
     lookahead_budget: int | None = None
-    update: str = "argmax"
+    update: str = field(default="argmax", metadata={"choices": UPDATES})
     top_k: int = 2
     guess_depth: int = 6
     pool_nodes: int = 60
