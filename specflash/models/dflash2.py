@@ -46,7 +46,7 @@ blocks, windowed context).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -223,14 +223,18 @@ class DFlash2Drafter(DFlashDrafter):
 
     def logits(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """DFlash's logits, times output_multiplier and soft-capped when the config says so."""
-        out = super().logits(hidden, vocab)
+        return self.unary(super().logits(hidden, vocab))
+
+    def unary(self, logits: torch.Tensor) -> torch.Tensor:
+        """LM-head logits -> unary scores: times output_multiplier, soft-capped when the config says
+        so (training scores the draft vocabulary's logits with this, not the full `logits`)."""
         spec = self.spec
         if spec.output_multiplier != 1.0:
-            out = out * spec.output_multiplier
+            logits = logits * spec.output_multiplier
         if spec.final_logit_softcapping:
             cap = spec.final_logit_softcapping
-            out = torch.where(torch.isfinite(out), torch.tanh(out / cap) * cap, out)  # -inf stays -inf
-        return out
+            logits = torch.where(torch.isfinite(logits), torch.tanh(logits / cap) * cap, logits)  # -inf stays -inf
+        return logits
 
     def lattice(self, hidden: torch.Tensor, anchor: int) -> Lattice:
         """The selector's lattice for slots with final-normed hidden states [T, H]."""
@@ -242,3 +246,30 @@ class DFlash2Drafter(DFlashDrafter):
         """The target's embeddings times `input_embedding_scale`: what DFlash 2's block reads."""
         h = super().embed(ids)
         return h if self.spec.input_embedding_scale == 1.0 else h * self.spec.input_embedding_scale
+
+
+def from_dflash(drafter: DFlashDrafter, generator: torch.Generator, *, conv_kernel_size: int = 2,
+                conv_group_size: int = 16, selector_rank: int = 256, selector_top_k: int = 16,
+                codebook_std: float = 0.02) -> DFlash2Drafter:
+    """The DFlash 2 drafter that starts where `drafter` is: its weights, its borrowed embedding,
+    head and draft vocabulary, identity convolutions (so every hidden state is DFlash's, bit for
+    bit) and a selector whose transition term is zero (hidden_projection 0), so every walk is the
+    unary argmax path DFlash drafts. The codebooks start normal(0, codebook_std), as the
+    reference's initializer_range: with one factor of the trilinear term at zero the start is
+    exact, and the other two give it a gradient."""
+    if drafter.draft_ids is not None and selector_top_k > len(drafter.draft_ids):
+        raise ValueError(f"selector_top_k {selector_top_k} exceeds the {len(drafter.draft_ids)}-token draft vocabulary")
+    base = drafter.spec
+    spec = DFlash2Spec(**{f.name: getattr(base, f.name) for f in fields(DFlashSpec)},
+                       conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                       selector_rank=selector_rank, selector_top_k=selector_top_k)
+    weight = next(drafter.parameters())
+    model = DFlash2Drafter(spec, *drafter._borrowed, drafter.draft_ids).to(weight.device, weight.dtype)
+    missing, unexpected = model.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing)
+    selector = model.candidate_selector
+    with torch.no_grad():
+        for book in (selector.predecessor_codebook, selector.successor_codebook):
+            book.copy_(torch.randn(book.shape, generator=generator) * codebook_std)
+        selector.hidden_projection.weight.zero_()
+    return model.train(drafter.training)
