@@ -116,6 +116,7 @@ def inspector_panels() -> dict[str, Any]:
     with gr.Tab("PTD tree", id="ptd"):
         c["ptd_slider"] = gr.Slider(0, 1, value=0, step=1, label="replay step", elem_id="ptd-slider")
         c["ptd_note"] = gr.Markdown(views_tree.NO_PTD, elem_id="ptd-note")
+        c["ptd_bigger"] = gr.Button("Run ptd again with larger trees (preset = paper)", elem_id="ptd-bigger", size="sm")
         c["ptd_fig"] = gr.Plot(elem_id="ptd-plot", show_label=False, visible=False)
         c["ptd_anim"] = gr.Plot(elem_id="ptd-anim", show_label=False, visible=False)
     with gr.Tab("DeLS", id="dels"):
@@ -208,6 +209,11 @@ def wire(c: dict[str, Any], runner: Runner, knobs: list[Knob], methods: list[str
     c["token_step"].change(handlers.open_step, [session, c["token_step"]], [c["step_slider"], tabs],
                            api_name="open_step")
     c["step_slider"].change(handlers.step_panel, [session, c["step_slider"]], [c["step_fig"], c["step_html"]], api_name="step")
+    preset = next((i for i, k in enumerate(knobs) if (k.method, k.name) == ("ptd", "preset")), None)
+    if preset is not None:  # the PTD tab's shortcut: the paper preset's trees, on the same prompt
+        c["ptd_bigger"].click(lambda: ("ptd", "paper"), None, [c["method"], c["knobs"][preset]],
+                              api_visibility="private").then(
+            on_run, run_inputs + c["knobs"], run_outputs, concurrency_id="engine", api_visibility="private")
     c["ptd_slider"].change(handlers.ptd_panel, [session, c["ptd_slider"]], [c["ptd_fig"], c["ptd_anim"], c["ptd_note"]], api_name="ptd_step")
     c["dels_slider"].change(handlers.dels_panel, [session, c["dels_slider"]], [c["dels_fig"], c["dels_step"]],
                             api_name="dels_step")

@@ -141,6 +141,10 @@ def test_every_method_in_the_browser(page, target, tiny_root):
             page.locator("#ptd-plot .js-plotly-plot").wait_for()
             assert page.locator("#ptd-plot").inner_text().count("draft tree") >= 2
             shot(page, "ptd-tree")
+            page.locator("#ptd-bigger").click()  # the same prompt again, with the paper preset's trees
+            tab(page, "Export / import")
+            page.wait_for_function("""() => (document.querySelector('#export-json')?.textContent || '')
+                                              .includes('"preset": "paper"')""", timeout=60_000)
         else:
             assert "no PTD tree" in page.locator("#ptd-note").inner_text()
     shot(page, "ptd-empty")
