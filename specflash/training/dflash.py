@@ -279,9 +279,16 @@ def train(args: argparse.Namespace) -> Progress:
 def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
     """How the drafter was trained, stored in its config.json (ignored by loaders)."""
     keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed", "init", "draft_vocab")
-    return {"specflash_training": {**{k: getattr(args, k) for k in keep}, "data": [Path(d).name for d in args.data],
+    if args.init_from:  # the starting folder fixed the initialisation and the draft vocabulary
+        keep = tuple(k for k in keep if k not in ("init", "draft_vocab")) + ("init_from",)
+    return {"specflash_training": {**{k: _portable(getattr(args, k)) for k in keep}, "data": [Path(d).name for d in args.data],
                                    "steps": progress.step, "tokens": progress.tokens,
                                    "minutes": round(progress.seconds / 60, 1)}}
+
+
+def _portable(value):
+    """Paths as their folder name: a shipped config must not record this machine's layout."""
+    return Path(value).name if isinstance(value, Path) else value
 
 
 def _ints(text: str) -> list[int]:
