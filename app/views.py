@@ -266,7 +266,8 @@ def gate_summary(steps: Sequence[StepRecord]) -> str | None:
     states = [s.extras["gate"]["state"] for s in steps if "gate" in s.extras]
     if not states:
         return None
-    return f"on {states.count('on')}, off {states.count('off')}, probe {states.count('probe')} steps"
+    return (f"on {states.count('on')}, off {states.count('off')}, probe {states.count('probe')}, "
+            f"shadow {states.count('shadow')} steps")
 
 
 def verification_rule(step: StepRecord, temperature: float) -> str:
@@ -310,6 +311,10 @@ def no_draft_reason(step: StepRecord) -> str:
     gate = step.extras.get("gate")
     if gate and gate["state"] == "off":
         return f"the draft gate was off ({gate['reason']})"
+    if gate and gate["state"] == "shadow":
+        shadow = len(step.extras.get("shadow", []))
+        return (f"the draft gate was off and drew a shadow draft of {shadow} tokens, not verified: it is scored "
+                "against the tokens the target commits next")
     return "the drafter proposed nothing"
 
 

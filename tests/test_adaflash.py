@@ -192,7 +192,7 @@ def test_cli_json_carries_the_hindsight_on_cut_tokens(tiny_dirs, tiny_targets, t
     save_drafter(random_drafter(target, block=8, feature_layers=(1,)), tmp_path, dtype=torch.float32)
     assert main(["generate", "--model", str(tiny_dirs["qwen3"]), "--method", "adaflash", "--drafter", str(tmp_path),
                  "--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "12", "--json", "-o", "rule=fixed",
-                 "-o", "fixed_len=1"]) == 0
+                 "-o", "fixed_len=1", "-o", "gate=false"]) == 0  # random drafter: the gate would stop it
     record = json.loads(capsys.readouterr().out)
     ada = [s["extras"]["adaflash"] for s in record["steps"] if "adaflash" in s["extras"]]
     assert ada and all("cut_would_accept" in a for a in ada)

@@ -103,7 +103,11 @@ def test_step_inspector_says_why_the_draft_gate_drafted_nothing():
     probe = chain_step(extras={"gate": {**off, "state": "probe", "width": 7, "reason": "drafting off for 8 steps: probing"}})
     assert views.stop_summary(skipped, {9: "X"}).startswith("Draft gate off: drafting does not pay")
     assert "Draft gate probe: drafting off for 8 steps" in views.stop_summary(probe, {})
-    assert views.gate_summary([skipped, skipped, probe]) == "on 0, off 2, probe 1 steps"
+    shadow = chain_step(tokens=[], parents=[], q=None, p=[], accepted=[], correction_kind="target", committed=[9],
+                        verified=1, extras={"gate": {**off, "state": "shadow", "width": 3, "reason": "a shadow draft"},
+                                            "shadow": [1, 2, 3]})
+    assert views.gate_summary([skipped, skipped, probe, shadow]) == "on 0, off 2, probe 1, shadow 1 steps"
+    assert "shadow draft of 3 tokens" in views.no_draft_reason(shadow)
     assert views.gate_summary([chain_step()]) is None
 
 

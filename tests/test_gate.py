@@ -30,21 +30,41 @@ def test_width_maximises_tokens_per_cost():
     assert gate.decide(7).state == "off"
 
 
-def test_probe_interval_doubles_while_drafting_does_not_pay():
+def test_shadow_interval_doubles_while_drafting_does_not_pay():
     gate = DraftGate(STEEP, depth=3, probe_every=2, draft_cost=0.5)
-    probes, states = [], []
-    for step in range(80):
+    context, looks, states = [1, 2], [], []
+    for step in range(90):
+        gate.committed(context)
         decision = gate.decide(3)
         states.append(decision.state)
-        if decision.state == "probe":
-            probes.append(step)
+        if decision.state == "shadow":
+            looks.append(step)
+            gate.shadowed(len(context), [7, 7, 7])  # the target never commits 7
         gate.drafted(decision, 0.0)
-        gate.verified(decision.width, 0)
-    assert states[0] == "probe" and states[1] == "off"
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    # the first step's probe already failed: 2 * 2, 4, 8 steps between probes, then capped at 8x
-    assert gaps[:3] == [4, 8, 16]
-    assert gaps[3:] == [16] * len(gaps[3:]) and len(gaps) >= 4
+        gate.verified(0, 0)
+        context.append(5)
+    assert states[0] == "shadow" and states[1] == "off" and "probe" not in states and "on" not in states
+    gaps = [b - a for a, b in zip(looks, looks[1:])]
+    # every look fails: 2 * 2, 2 * 4 steps between looks, then capped at 4x
+    assert gaps[:2] == [4, 8]
+    assert gaps[2:] == [8] * len(gaps[2:]) and len(gaps) >= 8
+
+
+def test_shadow_drafts_are_scored_against_what_the_target_commits():
+    gate = DraftGate(STEEP, depth=4, draft_cost=0.1)
+
+    def ema(old, hit):
+        return 0.7 * old + 0.3 * hit
+
+    gate.shadowed(3, [10, 11, 12, 13])
+    gate.committed([1, 2, 3, 10])
+    assert gate.shadow is not None and gate.accept == [ema(0.5, 1), None, None, None]  # scored as it arrives
+    gate.committed([1, 2, 3, 10, 11, 99])
+    a1 = ema(0.5, 1)
+    assert gate.shadow is None and gate.accept == pytest.approx([a1, ema(a1, 1), ema(ema(a1, 1), 0), None])
+    gate.shadowed(2, [5, 6])
+    gate.committed([1, 2, 5, 6])
+    assert gate.shadow is None and gate.accept[0] == pytest.approx(ema(a1, 1))
 
 
 def test_gate_needs_a_cost_curve(tiny_targets):
@@ -55,6 +75,16 @@ def test_gate_needs_a_cost_curve(tiny_targets):
         DFlashConfig(probe_every=0)
 
 
+def _cpu_like_costs(monkeypatch) -> None:
+    """Decide from the STEEP curve and a fixed drafter cost: the tiny models verify 8 tokens almost
+    as fast as one, so a calibrating gate would (rightly) keep drafting at low acceptance there."""
+    import functools
+
+    import specflash.drafters.dflash as dflash_module
+
+    monkeypatch.setattr(dflash_module, "DraftGate", functools.partial(DraftGate, draft_cost=0.1))
+
+
 def _useless(target, prompt_ids, n):
     """A drafter that can only draft one token the target never emits here: acceptance is 0."""
     never = next(t for t in range(3, target.vocab_size) if t not in hf_greedy(target, prompt_ids, n))
@@ -63,7 +93,8 @@ def _useless(target, prompt_ids, n):
 
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
 @pytest.mark.parametrize("method", ["dflash", "adaflash"])
-def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, arch, method):
+def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, arch, method, monkeypatch):
+    _cpu_like_costs(monkeypatch)
     target = tiny_targets[arch]
     prompt_ids = target.tokenizer(PROMPT)["input_ids"]
     model = _useless(target, prompt_ids, 60)
@@ -75,19 +106,20 @@ def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, a
     assert run.output_ids == hf_greedy(target, prompt_ids, 60)
     decode = run.steps[1:]
     gates = [s.extras["gate"] for s in decode]
-    assert gates[0]["state"] == "probe" and gates[1]["state"] == "off"
-    assert "does not pay" in gates[1]["reason"]
-    off = [s for s, g in zip(decode, gates) if g["state"] == "off"]
-    assert all(s.tokens == [] and s.verified == 1 and len(s.committed) == 1 for s in off)
-    probe_lengths = [len(s.tokens) for s, g in zip(decode, gates) if g["state"] == "probe"]
-    assert probe_lengths[0] == 3 and max(probe_lengths) == 3  # short probes (fewer only where the budget ends)
-    probes = sum(g["state"] == "probe" for g in gates)
-    assert sum(g["state"] == "on" for g in gates) == 0
-    assert len(forwards) == probes == sum(bool(s.tokens) for s in decode)  # the drafter ran on probes only
-    assert probes <= 5  # steps 1, 9, 25, 57 with a doubling interval from 8 (the first probe failed)
-    # one target forward per committed token, plus the probes' drafted tokens
-    assert sum(len(s.committed) for s in decode) == len(decode)
-    assert sum(s.verified for s in decode) == len(decode) + sum(len(s.tokens) for s in decode)
+    states = [g["state"] for g in gates]
+    assert states[0] == "shadow"
+    off = states.index("off")
+    assert off <= 3 and "does not pay" in gates[off]["reason"]  # the prior of 0.5 allows a try or two
+    decode, states = decode[off:], states[off:]
+    assert set(states) == {"off", "shadow"}  # once off, it never verified a drafted token again
+    assert all(s.tokens == [] and s.verified == 1 and len(s.committed) == 1 for s in decode)
+    shadows = [s for s, state in zip(decode, states) if state == "shadow"]
+    # full blocks (fewer only where the budget ends), scored later, never verified
+    assert len(shadows[0].extras["shadow"]) == 7 and all(1 <= len(s.extras["shadow"]) <= 7 for s in shadows)
+    assert len(forwards) == len(run.steps) - 1 - len(decode) + len(shadows)  # then on the shadows only
+    assert 3 <= len(shadows) <= 5  # every 4 steps, doubling to the 16-step cap while they fail
+    # one target forward per committed token
+    assert sum(s.verified for s in decode) == sum(len(s.committed) for s in decode) == len(decode)
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
@@ -105,7 +137,8 @@ def test_gated_dflash_stays_lossless_and_keeps_drafting_when_it_pays(tiny_target
     assert all("gate" in s.extras for s in run.steps[1:])
 
 
-def test_gate_records_are_plain_json(tiny_targets):
+def test_gate_records_are_plain_json(tiny_targets, monkeypatch):
+    _cpu_like_costs(monkeypatch)
     target = tiny_targets["qwen3"]
     prompt_ids = target.tokenizer(PROMPT)["input_ids"]
     model = _useless(target, prompt_ids, 12)
@@ -114,4 +147,58 @@ def test_gate_records_are_plain_json(tiny_targets):
 
     again = RunRecord.from_json(run.to_json())
     assert [s.extras.get("gate") for s in again.steps] == [s.extras.get("gate") for s in run.steps]
-    assert again.steps[2].extras["gate"]["state"] == "off"
+    assert again.steps[1].extras["gate"]["state"] == "shadow" and again.steps[1].extras["shadow"]
+    assert "off" in [s.extras["gate"]["state"] for s in again.steps[1:]]
+
+
+class _Clock:
+    """A fake perf_counter the test advances by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_cost_curve_comes_from_the_runs_own_timings(monkeypatch):
+    gate = DraftGate([1.0, 1.1, 1.2, 1.3], depth=3)
+    assert gate.cost == [1.0, 1.1, 1.2, 1.3]  # nothing timed yet: the cached curve
+    gate.seconds = {1: 0.040, 3: 0.068}
+    scale = (0.068 / 0.040) / 1.2
+    assert gate.cost == pytest.approx([1.0, 1.1 * scale, 0.068 / 0.040, 1.3 * scale])
+    gate.seconds = {1: 0.040, 2: 0.080, 3: 0.060}  # noise: 3 tokens timed cheaper than 2
+    assert gate.cost[2] == pytest.approx(2.0) and gate.cost == sorted(gate.cost)
+    fixed = DraftGate([1.0, 1.1, 1.2, 1.3], depth=3, draft_cost=0.1)
+    fixed.seconds = {1: 0.040, 3: 0.068}
+    assert fixed.cost == [1.0, 1.1, 1.2, 1.3]  # a fixed draft cost keeps decisions reproducible
+
+
+def test_gate_stops_drafting_when_this_run_pays_more_than_the_cached_curve(monkeypatch):
+    """The cached curve says verifying is nearly free; the run's clock says a drafted step costs
+    1.8 plain ones: at a first-position acceptance of 0.3 the gate must turn drafting off."""
+    import specflash.drafters.gate as gate_module
+
+    clock = _Clock()
+    monkeypatch.setattr(gate_module.time, "perf_counter", clock)
+    gate = DraftGate(FLAT[:4], depth=3)
+    states, context = [], [1]
+    for step in range(40):
+        gate.step_started()
+        gate.committed(context)
+        decision = gate.decide(3)
+        states.append((decision.state, decision.width))
+        verified = 0 if decision.state == "shadow" else decision.width
+        if decision.state == "shadow":
+            gate.shadowed(len(context), [-1] * decision.width)  # scored a miss at the next step
+        gate.drafted(decision, 0.004 if decision.width else 0.0)
+        clock.now += (0.004 if decision.width else 0.0) + (0.072 if verified else 0.040)
+        gate.verified(verified, 1 if verified and step % 3 == 0 else 0)
+        context.append(5)
+    assert states[0] == ("shadow", 3)
+    assert gate.cost[3] == pytest.approx(1.8)
+    assert all(s in ("off", "shadow") for s, _ in states[5:])
+    uncalibrated = DraftGate(FLAT[:4], depth=3, draft_cost=gate.draft_cost)
+    gate.accept = uncalibrated.accept = [0.4, 0.3, 0.3]
+    assert gate.decide(3).state in ("off", "shadow")
+    assert uncalibrated.decide(3).state == "on"  # what the cached curve alone would have done

@@ -135,7 +135,8 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         tokens = best.indices.tolist()
         score = float(self.head(hidden[None])[0]) if self.head is not None else None
         L = self.spec.block_size
-        cut = cut_length(self.cfg.rule, probs, self.cfg, self.cost, self.window, score, L)
+        cost = self.gate.cost if self.gate is not None else self.cost  # the gate's, calibrated in this run
+        cut = cut_length(self.cfg.rule, probs, self.cfg, cost, self.window, score, L)
         keep = max(min(cut, k), 0 if self.cfg.rule == "head" else min(self.cfg.min_len, k))
         draft = Draft(
             DraftTree.chain(tokens[:keep]),

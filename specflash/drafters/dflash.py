@@ -34,7 +34,7 @@ class DFlashConfig:
 
     max_draft: int | None = None
     gate: bool = True
-    probe_every: int = 8
+    probe_every: int = 4
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
@@ -75,12 +75,13 @@ class DFlashEngineDrafter(Drafter):
         longest = self.spec.block_size - 1
         return longest if self.cfg.max_draft is None else min(longest, self.cfg.max_draft)
 
-    def step_width(self, max_len: int) -> tuple[int, GateDecision | None]:
+    def step_width(self, context: list[int], max_len: int) -> tuple[int, GateDecision | None]:
         """How many tokens to draft this step: the gate's width, or all that fit without it."""
         k = min(self.draft_len, max_len)
         if self.gate is None:
             return k, None
         self.gate.step_started()
+        self.gate.committed(context)
         decision = self.gate.decide(k)
         return decision.width, decision
 
@@ -99,9 +100,17 @@ class DFlashEngineDrafter(Drafter):
     def propose(self, context: list[int], max_len: int) -> Draft:
         """The gate fixes the width k; `draft_block` drafts it (nothing at all when k is 0)."""
         started = time.perf_counter()
-        k, decision = self.step_width(max_len)
+        k, decision = self.step_width(context, max_len)
         draft = self.draft_block(context, k) if k > 0 else Draft.empty()
+        if decision is not None and decision.state == "shadow":
+            draft = self.shadow(context, draft)
         return self.gated(draft, decision, started)
+
+    def shadow(self, context: list[int], draft: Draft) -> Draft:
+        """Keep the drafted chain for the gate to score later, and verify nothing this step."""
+        tokens = list(draft.tree.tokens) if draft.tree.is_chain else []
+        self.gate.shadowed(len(context), tokens)
+        return Draft(DraftTree((), ()), extras={"shadow": tokens} if tokens else {})
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         """k >= 1 drafted tokens after the context; each DFlash-family method drafts its own way."""

@@ -2,18 +2,32 @@
 on this device, so a drafter that is wrong here costs (almost) nothing.
 
 Why: a speculative step pays for the drafter's forward plus a target forward over the root and
-m drafted tokens, c(m + 1) in units of one plain decoding step (the device's measured verify-cost
-curve, verify_cost.py), and commits 1 + E(m) tokens, E(m) = sum_{j<=m} prod_{i<=j} a_i with a_i
-the running (EMA) rate at which drafted position i is accepted when position i - 1 was. The gate
-picks the width m that maximises (1 + E(m)) / (c(m + 1) + d), d the drafter's own cost in the
-same units (timed on every drafting step); m = 0, plain decoding, is worth exactly 1. When that
-is 0, drafting is off: the step feeds only the root, and the drafter runs again only on a probe
-after `probe_every` steps, an interval that doubles after each probe that did not
-pay (up to 8x) and resets when drafting pays again. While on at a width below the full depth, a
-full-depth probe every `probe_every` steps keeps the deeper positions' estimates fresh. The first
-step's probe and the probes while off draft only `probe_width` tokens: on a CPU verifying 8 tokens
-costs about two plain steps, and the first positions already tell whether drafting pays (deeper
-positions take the estimate of the last one observed until a full-depth probe measures them).
+m drafted tokens, c(m + 1) in units of one plain decoding step, and commits 1 + E(m) tokens,
+E(m) = sum_{j<=m} prod_{i<=j} a_i with a_i the running (EMA, from a prior of 0.5) rate at which
+drafted position i is accepted when position i - 1 was. The gate picks the width m that
+maximises (1 + E(m)) / (c(m + 1) + d), d the drafter's own cost in the same units (timed on
+every drafting step); m = 0, plain decoding, is worth exactly 1. When that is 0, drafting is off
+and the step feeds only the root.
+
+Looking while off. Every `probe_every` steps while off (an interval that doubles after each look
+that did not pay, up to 4x, and resets when drafting pays again), and on the first step, the
+drafter runs a shadow draft: a full block, not verified, scored token by token against what the
+target commits over the next steps. It costs the drafter's forward (d, about 0.15 of a step on
+this CPU) instead of verifying extra tokens (0.65 of a step and more here), so the gate can look
+often enough to catch a run of predictable text. Scoring by exact match is exact at T = 0 and
+unbiased above it for argmax drafts (a point mass x is accepted with probability p(x), the chance
+that the target samples x). While on at a width below the full depth, a full-depth probe every
+`2 * probe_every` steps keeps the deeper positions' estimates fresh.
+
+Calibration. The cost curve it starts from is measured once per model and device on a short
+prefix and cached; the run itself can pay more per verified token (more threads or fewer, other
+processes, the engine's own work around each forward): on this 2-core CPU the cached curve said
+1.2x for verifying 2 tokens where the run paid 1.7x, so the gate kept drafting at an acceptance
+that lost. So unless `draft_cost` is fixed (the reproducible mode the tests use), the gate times
+every step by the number of tokens it verified, and once it has timed a plain one-token step and
+a wider one it reads c(n) from its own timings (unseen widths: the cached curve scaled by the
+ratio measured at the seen ones). When it has drafted from the start it takes one plain step to
+time it, and again every `4 * probe_every` steps, so the estimate follows the machine's load.
 
 The gate only changes how many tokens are drafted, never what is verified or how, so every
 method that uses it stays lossless. Each decision goes into the trace (`GateDecision`).
@@ -21,17 +35,18 @@ method that uses it stays lossless. Each decision goes into the trace (`GateDeci
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
-_MAX_BACKOFF = 8
+_MAX_BACKOFF = 4
 
 
 @dataclass(frozen=True)
 class GateDecision:
-    """One step's decision, as the trace records it: `state` is "on", "off" or "probe"; `width`
-    the drafted depth allowed; `value` the expected tokens per unit cost of that width (1.0 is
-    plain decoding); `reason` in words."""
+    """One step's decision, as the trace records it: `state` is "on", "off", "probe" or
+    "shadow" (drafted, not verified); `width` the drafted depth allowed; `value` the expected
+    tokens per unit cost of that width (1.0 is plain decoding); `reason` in words."""
 
     state: str
     width: int
@@ -43,20 +58,23 @@ class GateDecision:
 
 
 class DraftGate:
-    def __init__(self, cost: list[float], depth: int, probe_every: int = 8, smoothing: float = 0.3,
-                 draft_cost: float | None = None, probe_width: int = 3) -> None:
+    def __init__(self, cost: list[float], depth: int, probe_every: int = 4, smoothing: float = 0.3,
+                 draft_cost: float | None = None) -> None:
         """`cost` [c(1)=1, c(2), ...] at least depth + 1 long; `draft_cost` fixes d (in units
         of one target step) instead of timing it, for reproducible decisions."""
         if len(cost) < depth + 1:
             raise ValueError(f"the verify-cost curve has {len(cost)} points, the gate needs {depth + 1}")
-        self.cost, self.depth, self.probe_every, self.smoothing = list(cost), depth, probe_every, smoothing
-        self.probe_width = probe_width
+        self.prior, self.depth, self.probe_every, self.smoothing = list(cost), depth, probe_every, smoothing
         self.fixed_draft_cost = draft_cost
+        self.calibrate = draft_cost is None
         self.accept: list[float | None] = [None] * depth  # EMA of P(position i accepted | i-1 accepted)
         self.draft_cost = draft_cost  # d, EMA; None until timed
         self.step_time: float | None = None  # EMA of one plain target step, seconds
+        self.seconds: dict[int, float] = {}  # EMA of a step's time (less drafting) by tokens verified
+        self.since_plain = 0  # steps since a plain one-token step was timed
         self.since_probe = 0
         self.backoff = 1
+        self.shadow: tuple[int, list[int], int] | None = None  # (context length, tokens, positions scored)
         self._last: tuple[float, float, int] | None = None  # (step start, draft seconds, verified count)
         self._pending = GateDecision("off", 0, 1.0, "")
 
@@ -70,35 +88,57 @@ class DraftGate:
             out.append(last)
         return out
 
-    def value(self, m: int) -> float:
+    @property
+    def cost(self) -> list[float]:
+        """c(1) = 1, c(2), ...: from this run's timings once a plain step and a wider one are timed,
+        else the cached curve; never decreasing, since timing noise can say otherwise."""
+        base = self.seconds.get(1)
+        wider = {n: t / base for n, t in self.seconds.items() if n > 1} if self.calibrate and base else {}
+        if not wider:
+            return self.prior
+        scale = statistics.median(ratio / self.prior[n - 1] for n, ratio in wider.items())
+        out, best = [1.0], 1.0
+        for n, prior in enumerate(self.prior[1:], 2):
+            best = max(best, wider.get(n, prior * scale))
+            out.append(best)
+        return out
+
+    def value(self, m: int, cost: list[float] | None = None) -> float:
         """Expected committed tokens per unit cost when drafting m tokens."""
+        cost = cost or self.cost
         if m == 0:
-            return 1.0 / self.cost[0]
+            return 1.0 / cost[0]
         expected, survive = 1.0, 1.0
         for a in self.rates()[:m]:
             survive *= a
             expected += survive
-        return expected / (self.cost[m] + (self.draft_cost or 0.0))
+        return expected / (cost[m] + (self.draft_cost or 0.0))
 
     def decide(self, room: int) -> GateDecision:
         """The width for the next step, at most `room`."""
         depth = min(self.depth, room)
         if depth <= 0:
             return GateDecision("off", 0, 1.0, "no room left to draft")
-        best = max(range(depth + 1), key=lambda m: (self.value(m), -m))
-        if self.accept[0] is None:
-            short = min(depth, self.probe_width)
-            return GateDecision("probe", short, self.value(short), "first step: measuring acceptance")
+        cost = self.cost
+        values = [self.value(m, cost) for m in range(depth + 1)]
+        best = max(range(depth + 1), key=lambda m: (values[m], -m))
+        if self.accept[0] is None and self.shadow is None:
+            return GateDecision("shadow", depth, values[depth], "first step: a shadow draft measures acceptance "
+                                "without paying to verify it")
         self.since_probe += 1
         if best == 0:
-            if self.since_probe >= self.probe_every * self.backoff:
-                short = min(depth, self.probe_width)
-                return GateDecision("probe", short, self.value(short), f"drafting off for {self.since_probe} steps: probing")
+            if self.shadow is None and self.since_probe >= self.probe_every * self.backoff:
+                return GateDecision("shadow", depth, values[depth], f"drafting off for {self.since_probe} steps: a "
+                                    "shadow draft, scored against the tokens the target commits next")
             return GateDecision("off", 0, 1.0, f"drafting does not pay: best drafted width is worth "
-                                               f"{max(self.value(m) for m in range(1, depth + 1)):.2f} of plain decoding")
-        if best < depth and self.since_probe >= self.probe_every:
-            return GateDecision("probe", depth, self.value(depth), f"refreshing positions past width {best}")
-        return GateDecision("on", best, self.value(best), f"width {best} is worth {self.value(best):.2f}x plain decoding")
+                                               f"{max(values[1:]):.2f} of plain decoding")
+        if self.calibrate and (1 not in self.seconds or self.since_plain >= 4 * self.probe_every):
+            return GateDecision("off", 0, 1.0, "timing one plain step: what verifying more tokens costs in this run "
+                                               "is measured against it")
+        if best < depth and self.since_probe >= 2 * self.probe_every:
+            return GateDecision("probe", depth, values[depth], f"refreshing positions past width {best}")
+        return GateDecision("on", best, values[best], f"width {best} is worth {values[best]:.2f}x plain decoding "
+                                                      f"(verifying {best + 1} tokens costs {cost[best]:.2f}x one)")
 
     # ---- observations ----------------------------------------------------------------------
 
@@ -108,7 +148,11 @@ class DraftGate:
         now = time.perf_counter()
         if self._last is not None:
             start, drafted_for, verified = self._last
-            one_step = max(now - start - drafted_for, 1e-9) / self.cost[min(verified, len(self.cost)) - 1]
+            verified = min(verified, len(self.prior))
+            seconds = max(now - start - drafted_for, 1e-9)
+            self.seconds[verified] = self._ema(self.seconds[verified], seconds) if verified in self.seconds else seconds
+            self.since_plain = 0 if verified == 1 else self.since_plain + 1
+            one_step = seconds / self.cost[verified - 1]
             self.step_time = one_step if self.step_time is None else self._ema(self.step_time, one_step)
         self._last = (now, 0.0, 1)
 
@@ -119,7 +163,7 @@ class DraftGate:
         if decision.width and self.fixed_draft_cost is None and self.step_time is not None:
             d = seconds / self.step_time
             self.draft_cost = d if self.draft_cost is None else self._ema(self.draft_cost, d)
-        if decision.state == "probe":
+        if decision.state in ("probe", "shadow"):
             self.since_probe = 0
         self._pending = decision
 
@@ -127,12 +171,43 @@ class DraftGate:
         """After verification: `drafted` tokens were verified, the first `accepted` of them kept."""
         if self._last is not None:
             self._last = (self._last[0], self._last[1], drafted + 1)
-        for i in range(min(drafted, accepted + 1)):
-            hit = 1.0 if i < accepted else 0.0
-            self.accept[i] = hit if self.accept[i] is None else self._ema(self.accept[i], hit)
+        self._observe(drafted, accepted)
         if drafted and self._pending.state == "probe":
-            paid = max(range(self.depth + 1), key=lambda m: (self.value(m), -m)) > 0
-            self.backoff = 1 if paid else min(self.backoff * 2, _MAX_BACKOFF)
+            self._looked()
+
+    def shadowed(self, context_len: int, tokens: list[int]) -> None:
+        """A shadow draft of `tokens` after the first `context_len` tokens, to score later."""
+        self.shadow = (context_len, list(tokens), 0) if tokens else None
+
+    def committed(self, context: list[int]) -> None:
+        """Score the pending shadow draft against the tokens the target has committed since, one
+        position at a time as they arrive: its run ends at the first token the target did not
+        commit, or when it matched all of them."""
+        if self.shadow is None:
+            return
+        start, tokens, scored = self.shadow
+        got = context[start : start + len(tokens)]
+        for i in range(scored, len(got)):
+            hit = got[i] == tokens[i]
+            self._update(i, hit)
+            if not hit or i + 1 == len(tokens):
+                self.shadow = None
+                self._looked()
+                return
+        self.shadow = (start, tokens, len(got))
+
+    def _observe(self, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, accepted + 1)):
+            self._update(i, i < accepted)
+
+    def _update(self, position: int, hit: bool) -> None:
+        """EMA of the position's conditional acceptance, from its current estimate (0.5 at first)."""
+        self.accept[position] = self._ema(self.rates()[position], 1.0 if hit else 0.0)
+
+    def _looked(self) -> None:
+        """After a probe or a shadow: look again sooner if drafting now pays, later if not."""
+        paid = max(range(self.depth + 1), key=lambda m: (self.value(m), -m)) > 0
+        self.backoff = 1 if paid else min(self.backoff * 2, _MAX_BACKOFF)
 
     def _ema(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new
