@@ -145,9 +145,9 @@ def _train(setup, out, steps, *extra):
 def test_training_resumes_and_exports_a_lossless_drafter(setup, tmp_path, monkeypatch):
     _, target, _ = setup
     _train(setup, tmp_path / "straight", 6)
-    finished = dflash2._Run.finished
+    finished = dflash2.TrainLoop.finished
     with monkeypatch.context() as patch:  # stopped after step 3, as --minutes would stop it
-        patch.setattr(dflash2._Run, "finished", lambda run: finished(run) or run.progress.step >= 3)
+        patch.setattr(dflash2.TrainLoop, "finished", lambda run: finished(run) or run.progress.step >= 3)
         _train(setup, tmp_path / "resumed", 6)
     _train(setup, tmp_path / "resumed", 6)  # the same command again: resumes at step 3
     straight, resumed = (load_file(str(tmp_path / d / "checkpoint" / "model.safetensors")) for d in ("straight", "resumed"))
@@ -170,6 +170,34 @@ def test_training_resumes_and_exports_a_lossless_drafter(setup, tmp_path, monkey
         run = specflash.generate(target, ids, "dflash2", drafter=str(export), options={"gate": False},
                                  max_new_tokens=20, stop_on_eos=False)
         assert run.output_ids == ar.output_ids
+
+
+def test_dflash_trainer_resumes_where_it_stopped(setup, tmp_path, monkeypatch):
+    """The DFlash trainer runs the same loop: stopped after step 3 and resumed, it ends with the
+    weights of a run that never stopped, and logs every step once."""
+    from specflash.training import dflash
+
+    tmp, target, model_dir = setup
+
+    def train(out):
+        argv = ["--model", str(model_dir), "--data", str(tmp / "data"), "--draft-vocab", str(DRAFT_VOCAB),
+                "--out", str(out), "--steps", "6", "--epochs", "9", "--anchors", "8", "--seqs-per-step", "2",
+                "--save-every", "1", "--log-every", "1", "--lr", "3e-3", "--no-feature-cache", "--target-layer-ids", "1"]
+        assert dflash.main(argv) == 0
+
+    train(tmp_path / "straight")
+    finished = dflash.TrainLoop.finished
+    with monkeypatch.context() as patch:
+        patch.setattr(dflash.TrainLoop, "finished", lambda run: finished(run) or run.progress.step >= 3)
+        train(tmp_path / "resumed")
+    train(tmp_path / "resumed")
+    straight, resumed = (load_file(str(tmp_path / d / "checkpoint" / "model.safetensors")) for d in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    log = [json.loads(line) for line in (tmp_path / "resumed" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6] and all(r["loss"] > 0 for r in log)
+    assert log == [json.loads(line) | {"seconds": r["seconds"]} for line, r in
+                   zip((tmp_path / "straight" / "log.jsonl").read_text().splitlines(), log)]  # the same losses
+    assert (tmp_path / "resumed" / "export" / "d2t.safetensors").is_file()
 
 
 def test_resume_refuses_another_shape(setup, tmp_path, capsys):

@@ -19,7 +19,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -193,54 +193,75 @@ def _total_steps(args, data_dirs: Seq[Path]) -> int:
 
 
 @dataclass
-class _Run:
-    """Everything a training run holds while it goes."""
+class TrainLoop:
+    """A training run's state while it goes. The DFlash and DFlash 2 trainers share this loop
+    (shard order, resumable progress, logging, checkpoints) and differ only in `step`, one
+    optimiser step on a batch of (sequence, features) that returns its stats (or None), and
+    `postfix`, the stats the progress bar shows."""
 
     args: argparse.Namespace
     target: TargetModel
-    model: DFlashDrafter
+    model: torch.nn.Module
     opt: torch.optim.Optimizer
     progress: Progress
     out: Path
     total: int
-    weights: torch.Tensor
     feature_cache: Path | None
     bar: tqdm
-    clock: float  # perf_counter at start minus seconds already trained
+    step: Callable[[list], dict | None]
+    postfix: Callable[[dict], dict[str, str]]
+    clock: float = 0.0  # perf_counter at start minus seconds already trained
     last_save: int = 0
-    vocab: torch.Tensor | None = None  # restricted training head (None = full vocabulary)
+
+    def __post_init__(self) -> None:
+        self.clock = time.perf_counter() - self.progress.seconds
+        self.last_save = self.progress.step
 
     def finished(self) -> bool:
         p, minutes = self.progress, self.args.minutes
         return p.step >= self.total or p.epoch >= self.args.epochs or bool(minutes and p.seconds > minutes * 60)
 
+    def run(self) -> None:
+        """Epochs over the shards until finished; a new epoch sees every shard finished so far
+        (data may still grow while training runs)."""
+        p = self.progress
+        while not self.finished():
+            if not p.shards:
+                shards = shard_paths(self.args.data)
+                p.shards = [str(shards[i]) for i in _order(len(shards), self.args.seed, p.epoch)]
+            while p.shard_pos < len(p.shards) and not self.finished():
+                self._train_shard(Path(p.shards[p.shard_pos]))
+            if p.shard_pos >= len(p.shards):
+                p.epoch, p.shard_pos, p.shards = p.epoch + 1, 0, []
+        self.bar.close()
+        save_checkpoint(self.out, self.model, self.opt, p)
 
-def _train_shard(run: _Run, shard: Path) -> None:
-    """Steps over the remaining sequences of one shard, in a seeded order."""
-    args, p = run.args, run.progress
-    samples = read_shard(shard)
-    feats = shard_features(run.target, samples, shard, run.model.spec.target_layer_ids, run.feature_cache)
-    within = _order(len(samples), args.seed, p.epoch, p.shard_pos)
-    while p.sample_pos < len(samples) and not run.finished():
-        idx = within[p.sample_pos : p.sample_pos + args.seqs_per_step]
-        batch = [(make_sequence(samples[i].token_ids, samples[i].prompt_len, samples[i].labels),
-                  feats[i].to(run.target.device, torch.float32)) for i in idx]
-        stats = _step(args, run.model, run.opt, batch, run.weights, p, run.total, run.vocab)
-        p.sample_pos, p.step = p.sample_pos + len(idx), p.step + 1
-        p.tokens += sum(len(samples[i].token_ids) for i in idx)
-        p.seconds = time.perf_counter() - run.clock
-        run.bar.update(1)
-        if stats:
-            run.bar.set_postfix(loss=f"{stats['loss']:.3f}", acc1=f"{stats['acc1']:.2f}", tau=f"{stats['tau']:.2f}")
-            if p.step % args.log_every == 0:
-                with (run.out / "log.jsonl").open("a", encoding="utf-8") as f:
-                    row = {k: v for k, v in asdict(p).items() if k != "shards"}
-                    f.write(json.dumps({**row, **stats}) + "\n")
-        if p.step - run.last_save >= args.save_every:
-            save_checkpoint(run.out, run.model, run.opt, p)
-            run.last_save = p.step
-    if p.sample_pos >= len(samples):
-        p.shard_pos, p.sample_pos = p.shard_pos + 1, 0
+    def _train_shard(self, shard: Path) -> None:
+        """Steps over the remaining sequences of one shard, in a seeded order."""
+        args, p = self.args, self.progress
+        samples = read_shard(shard)
+        feats = shard_features(self.target, samples, shard, self.model.spec.target_layer_ids, self.feature_cache)
+        within = _order(len(samples), args.seed, p.epoch, p.shard_pos)
+        while p.sample_pos < len(samples) and not self.finished():
+            idx = within[p.sample_pos : p.sample_pos + args.seqs_per_step]
+            batch = [(make_sequence(samples[i].token_ids, samples[i].prompt_len, samples[i].labels),
+                      feats[i].to(self.target.device, torch.float32)) for i in idx]
+            stats = self.step(batch)
+            p.sample_pos, p.step = p.sample_pos + len(idx), p.step + 1
+            p.tokens += sum(len(samples[i].token_ids) for i in idx)
+            p.seconds = time.perf_counter() - self.clock
+            self.bar.update(1)
+            if stats:
+                self.bar.set_postfix(**self.postfix(stats))
+                if p.step % args.log_every == 0:
+                    with (self.out / "log.jsonl").open("a", encoding="utf-8") as f:
+                        row = {k: v for k, v in asdict(p).items() if k != "shards"}
+                        f.write(json.dumps({**row, **stats}) + "\n")
+            if p.step - self.last_save >= args.save_every:
+                save_checkpoint(self.out, self.model, self.opt, p)
+                self.last_save = p.step
+        if p.sample_pos >= len(samples):
+            p.shard_pos, p.sample_pos = p.shard_pos + 1, 0
 
 
 def train(args: argparse.Namespace) -> Progress:
@@ -252,24 +273,19 @@ def train(args: argparse.Namespace) -> Progress:
     model, opt, progress = init_or_resume(args, target, out)
     total = _total_steps(args, args.data)
     cache = None if args.no_feature_cache else Path(args.feature_cache or out.parent / "features")
-    bar = tqdm(total=total, initial=progress.step, unit="step", desc=f"dflash-{args.name}")
-    run = _Run(args, target, model, opt, progress, out, total, loss_weights(args.block_size, args.gamma),
-               cache, bar, time.perf_counter() - progress.seconds, progress.step)
+    vocab = None
     if args.head_vocab:
         if model.draft_ids is not None:
             raise SpecFlashError("--head-vocab restricts the training softmax of a full-vocabulary drafter; this one "
                                  "has a draft vocabulary already (--draft-vocab or the checkpoint's d2t)")
-        run.vocab = frequent_tokens(shard_paths(args.data), args.head_vocab, target.vocab_size)
-    while not run.finished():
-        if not progress.shards:  # a new epoch sees every shard finished so far (data may still grow)
-            shards = shard_paths(args.data)
-            progress.shards = [str(shards[i]) for i in _order(len(shards), args.seed, progress.epoch)]
-        while progress.shard_pos < len(progress.shards) and not run.finished():
-            _train_shard(run, Path(progress.shards[progress.shard_pos]))
-        if progress.shard_pos >= len(progress.shards):
-            progress.epoch, progress.shard_pos, progress.shards = progress.epoch + 1, 0, []
-    bar.close()
-    save_checkpoint(out, model, opt, progress)
+        vocab = frequent_tokens(shard_paths(args.data), args.head_vocab, target.vocab_size)
+    weights = loss_weights(args.block_size, args.gamma)
+    TrainLoop(
+        args, target, model, opt, progress, out, total, cache,
+        tqdm(total=total, initial=progress.step, unit="step", desc=f"dflash-{args.name}"),
+        step=lambda batch: _step(args, model, opt, batch, weights, progress, total, vocab),
+        postfix=lambda s: {"loss": f"{s['loss']:.3f}", "acc1": f"{s['acc1']:.2f}", "tau": f"{s['tau']:.2f}"},
+    ).run()
     save_drafter(model, out / "export", dtype=torch.float16, extra=_recipe(args, progress))
     if args.export:
         shutil.copytree(out / "export", args.export, dirs_exist_ok=True)

@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import time
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import platformdirs
@@ -49,11 +47,10 @@ from ..models.dflash import loss_weights
 from ..models.dflash2 import DFlash2Drafter, DFlash2Spec, from_dflash
 from ..models.dflash_io import DFLASH2_KEYS, load_drafter, save_drafter
 from ..models.target import TargetModel
-from .data import load_target, read_shard
-from .dflash import CHECKPOINT, TRAINER_STATE, Progress, _order, _total_steps, learning_rate, save_checkpoint, shard_paths
+from .data import load_target
+from .dflash import CHECKPOINT, TRAINER_STATE, Progress, TrainLoop, _total_steps, learning_rate
 from .dflash2_objective import combine, sequence_terms
-from .dflash_features import shard_features
-from .dflash_objective import make_sequence, sample_anchors
+from .dflash_objective import sample_anchors
 from .entry import run_script
 
 RELEASE_SHAPE = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
@@ -145,57 +142,6 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int) -> d
     return stats
 
 
-@dataclass
-class _Run:
-    """Everything a training run holds while it goes."""
-
-    args: argparse.Namespace
-    target: TargetModel
-    model: DFlash2Drafter
-    opt: torch.optim.Optimizer
-    progress: Progress
-    out: Path
-    total: int
-    weights: torch.Tensor
-    feature_cache: Path | None
-    bar: tqdm
-    clock: float  # perf_counter at start minus seconds already trained
-    last_save: int = 0
-
-    def finished(self) -> bool:
-        p, minutes = self.progress, self.args.minutes
-        return p.step >= self.total or p.epoch >= self.args.epochs or bool(minutes and p.seconds > minutes * 60)
-
-
-def _train_shard(run: _Run, shard: Path) -> None:
-    """Steps over the remaining sequences of one shard, in the DFlash trainer's seeded order."""
-    args, p = run.args, run.progress
-    samples = read_shard(shard)
-    feats = shard_features(run.target, samples, shard, run.model.spec.target_layer_ids, run.feature_cache)
-    within = _order(len(samples), args.seed, p.epoch, p.shard_pos)
-    while p.sample_pos < len(samples) and not run.finished():
-        idx = within[p.sample_pos : p.sample_pos + args.seqs_per_step]
-        batch = [(make_sequence(samples[i].token_ids, samples[i].prompt_len, samples[i].labels),
-                  feats[i].to(run.target.device, torch.float32)) for i in idx]
-        stats = _step(args, run.model, run.opt, batch, run.weights, p, run.total)
-        p.sample_pos, p.step = p.sample_pos + len(idx), p.step + 1
-        p.tokens += sum(len(samples[i].token_ids) for i in idx)
-        p.seconds = time.perf_counter() - run.clock
-        run.bar.update(1)
-        if stats:
-            run.bar.set_postfix(sel=f"{stats.get('selector_loss', 0):.3f}", recall=f"{stats['recall']:.2f}",
-                                tau=f"{stats['tau_selector']:.2f}/{stats['tau_unary']:.2f}")
-            if p.step % args.log_every == 0:
-                with (run.out / "log.jsonl").open("a", encoding="utf-8") as f:
-                    row = {k: v for k, v in asdict(p).items() if k != "shards"}
-                    f.write(json.dumps({**row, **stats}) + "\n")
-        if p.step - run.last_save >= args.save_every:
-            save_checkpoint(run.out, run.model, run.opt, p)
-            run.last_save = p.step
-    if p.sample_pos >= len(samples):
-        p.shard_pos, p.sample_pos = p.shard_pos + 1, 0
-
-
 def train(args: argparse.Namespace) -> Progress:
     """Run (or resume) training until `--epochs`/`--steps` or `--minutes` are used up; export."""
     out = Path(args.out or Path(platformdirs.user_cache_dir("specflash")) / "train" / f"dflash2-{args.name}")
@@ -205,20 +151,15 @@ def train(args: argparse.Namespace) -> Progress:
     model, opt, progress = init_or_resume(args, target, out)
     total = _total_steps(args, args.data)
     cache = None if args.no_feature_cache else Path(args.feature_cache or out.parent / "features")
-    bar = tqdm(total=total, initial=progress.step, unit="step", desc=f"dflash2-{args.name}")
     args.gamma = args.gamma or model.spec.block_size / 2
-    run = _Run(args, target, model, opt, progress, out, total, loss_weights(model.spec.block_size, args.gamma),
-               cache, bar, time.perf_counter() - progress.seconds, progress.step)
-    while not run.finished():
-        if not progress.shards:  # a new epoch sees every shard finished so far (data may still grow)
-            shards = shard_paths(args.data)
-            progress.shards = [str(shards[i]) for i in _order(len(shards), args.seed, progress.epoch)]
-        while progress.shard_pos < len(progress.shards) and not run.finished():
-            _train_shard(run, Path(progress.shards[progress.shard_pos]))
-        if progress.shard_pos >= len(progress.shards):
-            progress.epoch, progress.shard_pos, progress.shards = progress.epoch + 1, 0, []
-    bar.close()
-    save_checkpoint(out, model, opt, progress)
+    weights = loss_weights(model.spec.block_size, args.gamma)
+    TrainLoop(
+        args, target, model, opt, progress, out, total, cache,
+        tqdm(total=total, initial=progress.step, unit="step", desc=f"dflash2-{args.name}"),
+        step=lambda batch: _step(args, model, opt, batch, weights, progress, total),
+        postfix=lambda s: {"sel": f"{s.get('selector_loss', 0):.3f}", "recall": f"{s['recall']:.2f}",
+                           "tau": f"{s['tau_selector']:.2f}/{s['tau_unary']:.2f}"},
+    ).run()
     save_drafter(model, out / "export", dtype=torch.float16, extra=recipe(args, progress))
     if args.export:
         shutil.copytree(out / "export", args.export, dirs_exist_ok=True)
