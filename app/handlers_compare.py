@@ -34,13 +34,17 @@ def repeats_used(value: float | None) -> tuple[int, str | None]:
 
 
 def outputs_side_by_side(groups: Mapping[str, Sequence[RunRecord]], texts: dict[int, str]) -> str:
-    """Each method's first run as coloured text, in columns, so the outputs can be read together."""
+    """Each method's first run as coloured text, in columns, so the outputs can be read together,
+    under one colour legend (every run of a Compare shares its sampling settings)."""
     columns = "".join(
         f'<div class="compare-output" style="flex:1 1 300px;min-width:260px;border:1px solid #ddd;border-radius:6px;'
-        f'padding:6px"><b>{html.escape(method)}</b>{views.output_html(runs[0].steps, texts, temperature(runs[0]))}</div>'
+        f'padding:6px"><b>{html.escape(method)}</b>'
+        f'{views.output_html(runs[0].steps, texts, temperature(runs[0]), legend=False)}</div>'
         for method, runs in groups.items()
     )
-    return f'<div style="display:flex;flex-wrap:wrap;gap:8px">{columns}</div>'
+    first = next(iter(groups.values()), None)
+    legend = f'<div class="sf-out">{views.legend_html(temperature(first[0]))}</div>' if first else ""
+    return f'{legend}<div style="display:flex;flex-wrap:wrap;gap:8px">{columns}</div>'
 
 
 def _status(groups: dict[str, list[RunRecord]], chosen: list[str], repeat: int, repeats: int,

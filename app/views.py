@@ -194,13 +194,15 @@ def legend_html(temperature: float | None = None) -> str:
     return f'<div class="sf-legend">{chips}{hint}</div>'
 
 
-def output_html(steps: Sequence[StepRecord], texts: Mapping[int, str], temperature: float | None = None) -> str:
+def output_html(steps: Sequence[StepRecord], texts: Mapping[int, str], temperature: float | None = None,
+                legend: bool = True) -> str:
     """The generated text as it reads, every token coloured by origin, with the legend above it
-    and the styles inside (pass the run's temperature so T = 0 says argmax, not resample)."""
+    (unless the caller shows one legend for several outputs) and the styles inside (pass the
+    run's temperature so T = 0 says argmax, not resample)."""
     spans = "".join(token_span(t, texts, temperature) for t in run_tokens(steps))
     body = spans or '<span style="color:#888">(no tokens yet)</span>'
     return (
-        f'<div class="sf-out specflash-output"><style>{TOKEN_CSS}</style>{legend_html(temperature)}'
+        f'<div class="sf-out specflash-output"><style>{TOKEN_CSS}</style>{legend_html(temperature) if legend else ""}'
         f'<div class="sf-text">{body}</div></div>'
     )
 

@@ -149,6 +149,7 @@ def test_compare_runs_ar_as_the_baseline_with_repeats(client):
     assert all(r[columns.index("sampling")] == "T=0 (greedy), top-p 1, seed 0" for r in rows)
     assert "measured on cpu" in note and "median of 2 interleaved repeat(s)" in note
     assert outputs.count('class="compare-output"') == 2
+    assert outputs.count('class="sf-legend"') == 1  # one colour legend above the columns
 
 
 def test_the_token_limit_is_said_when_it_is_not_what_was_typed(client, monkeypatch):
