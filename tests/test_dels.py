@@ -159,3 +159,7 @@ def test_local_head_training_run_logs_every_step(tiny_dirs, tmp_path):
     log = json.loads((tmp_path / "run" / "train_log.json").read_text())
     assert log["losses"]["first_step"] == 0 and len(log["losses"]["loss"]) == 6
     assert (tmp_path / "head" / "config.json").is_file()
+    train(args)  # the same command again, e.g. to export: nothing left to train, the run's log stands
+    assert json.loads((tmp_path / "run" / "train_log.json").read_text()) == log
+    exported = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert exported["training"]["final_loss"] == log["final_loss"] is not None

@@ -106,8 +106,12 @@ def train(args: argparse.Namespace) -> Path:
         "final_loss": sum(log[-20:]) / max(len(log[-20:]), 1) if log else None,
         "tokens_trained": args.steps * args.batch * (args.block_size - 1),
     }
-    log_file = {**summary, "losses": {"first_step": step_start, "loss": log}, "args": vars(args)}
-    (out / "train_log.json").write_text(json.dumps(log_file, indent=2))
+    log_path = out / "train_log.json"
+    if log or not log_path.exists():
+        log_path.write_text(json.dumps({**summary, "losses": {"first_step": step_start, "loss": log}, "args": vars(args)},
+                                       indent=2))
+    else:  # a rerun with nothing left to train (e.g. to export): the last run's summary stands
+        summary = {k: v for k, v in json.loads(log_path.read_text()).items() if k in summary}
     if args.export:
         save_local_head(head, Path(args.export), extra={"training": summary})
     return out
