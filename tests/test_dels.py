@@ -46,6 +46,45 @@ def test_dels_greedy_equals_transformers(tiny_targets, arch):
     assert any(any(s.extras["dels"]["flipped"]) for s in run.steps[1:] if s.tokens), "the short expert should change something"
 
 
+def test_fusion_over_a_draft_vocabulary_equals_the_full_one(tiny_targets):
+    """Over a drafter's draft vocabulary the fusion sees only those tokens; since every other
+    token's long logit is -inf, it must choose, score and trace exactly what the full fusion does."""
+    from specflash.drafters.dels import fuse_block
+
+    target = tiny_targets["qwen3"]
+    head = random_head(target, seed=4)
+    g = torch.Generator().manual_seed(5)
+    vocab = torch.randperm(target.vocab_size, generator=g)[:40].sort().values
+    small = torch.randn(7, len(vocab), generator=g) * 3
+    full = torch.full((7, target.vocab_size), float("-inf"))
+    full[:, vocab] = small
+    a = fuse_block(full, head, root=11, alpha=0.7, beta=0.3)
+    b = fuse_block(small, head, root=11, alpha=0.7, beta=0.3, vocab=vocab)
+    assert a["tokens"] == b["tokens"] and set(a["tokens"]) <= set(vocab.tolist())
+    assert a["q"] == pytest.approx(b["q"], abs=1e-6)
+    assert a["trace"]["flipped"] == b["trace"]["flipped"] and any(a["trace"]["flipped"])
+    for key in ("long", "short", "prior"):
+        assert a["trace"][key] == pytest.approx(b["trace"][key], abs=1e-5)
+    assert [[x["token"] for x in alts] for alts in a["trace"]["alternatives"]] == \
+        [[x["token"] for x in alts] for alts in b["trace"]["alternatives"]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_dels_with_a_draft_vocabulary_drafts_inside_it_and_equals_greedy(tiny_targets, arch):
+    from test_draft_vocab import spread_ids, vocab_drafter
+
+    target = tiny_targets[arch]
+    ids = spread_ids(target, 60)
+    drafter = DeLSDrafter(vocab_drafter(target, ids, feature_layers=(1, 0)), DeLSConfig(gate=False, alpha=0.7, beta=0.3),
+                          random_head(target))
+    for prompt in PROMPTS:
+        prompt_ids = target.tokenizer(prompt).input_ids
+        run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
+        assert run.output_ids == hf_greedy(target, prompt_ids, 24)
+        assert all(set(step.tokens) <= set(ids) for step in run.steps)
+        assert any(step.tokens for step in run.steps)
+
+
 def test_zero_alpha_beta_is_exactly_dflash(tiny_targets):
     target = tiny_targets["qwen3"]
     model = random_drafter(target, block=8, feature_layers=(1,))

@@ -30,7 +30,10 @@ _TOP = 3  # alternatives kept in the trace per drafted token
 
 @dataclass(frozen=True)
 class DeLSConfig(DFlashConfig):
-    alpha: float = 0.3
+    """alpha and beta default to what scripts/dels_sweep.py chose for the shipped SmolLM2 head on
+    requests no training data holds (the head's README has the table); sweep again for another head."""
+
+    alpha: float = 0.6
     beta: float = 0.3
     local_head: str | None = None  # folder of the trained local head (default: the preset's)
 
@@ -43,32 +46,41 @@ class DeLSConfig(DFlashConfig):
 
 
 @torch.inference_mode()
-def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: float, beta: float) -> dict[str, Any]:
+def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: float, beta: float,
+               vocab: torch.Tensor | None = None) -> dict[str, Any]:
     """Draft the block token by token: long_logits [k, V] are DFlash's, fixed; the local head
-    reads the root and each chosen token. Returns tokens, fused probabilities and the trace."""
+    reads the root and each chosen token. With a draft vocabulary `vocab` (target ids [N]),
+    long_logits are [k, N] over it and the fusion runs there only: every other token has a long
+    logit of -inf, so it could never win, and the local head's LM head costs N/V. Returns target
+    token ids, fused probabilities and the trace."""
     k = long_logits.shape[0]
     device = long_logits.device
     prior = head.log_prior.to(device)
+    if vocab is not None:
+        vocab = vocab.to(device)
+        prior = prior[vocab]
+    target_id = (lambda i: int(vocab[i])) if vocab is not None else int
     tokens, q, trace = [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
     state, last = None, root
     for i in range(k):
         if alpha:
-            short, state = head(torch.tensor([[last]], device=device), state)
-            short = short[0, -1]  # [V]
+            short, state = head(torch.tensor([[last]], device=device), state, rows=vocab)
+            short = short[0, -1]  # [V] or [N]
         else:
             short = torch.zeros_like(long_logits[i])
-        fused = long_logits[i] + alpha * short - beta * prior  # [V]
-        token = int(fused.argmax())
+        fused = long_logits[i] + alpha * short - beta * prior
+        best = int(fused.argmax())
+        token = target_id(best)
         tokens.append(token)
-        q.append(float(torch.softmax(fused, -1)[token]))
-        trace["long"].append(float(long_logits[i, token]))
-        trace["short"].append(float(alpha * short[token]))
-        trace["prior"].append(float(-beta * prior[token]))
-        trace["flipped"].append(token != int(long_logits[i].argmax()))
+        q.append(float(torch.softmax(fused, -1)[best]))
+        trace["long"].append(float(long_logits[i, best]))
+        trace["short"].append(float(alpha * short[best]))
+        trace["prior"].append(float(-beta * prior[best]))
+        trace["flipped"].append(best != int(long_logits[i].argmax()))
         trace["alternatives"].append([
-            {"token": int(t), "long": float(long_logits[i, t]), "short": float(alpha * short[t]),
+            {"token": target_id(t), "long": float(long_logits[i, t]), "short": float(alpha * short[t]),
              "prior": float(-beta * prior[t])}
-            for t in fused.topk(_TOP).indices.tolist()
+            for t in fused.topk(min(_TOP, fused.numel())).indices.tolist()
         ])
         last = token
     return {"tokens": tokens, "q": q, "trace": trace}
@@ -82,8 +94,10 @@ class DeLSDrafter(DFlashEngineDrafter):
         self.head = head.eval()
 
     def draft_block(self, context: list[int], k: int) -> Draft:
-        long_logits = self.block_logits(context, k)  # [k, V]
-        fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta)
+        hidden = self.block_hidden(context)[1 : k + 1]
+        vocab = self.model.draft_ids
+        long_logits = self.model.logits(hidden) if vocab is None else self.model.draft_logits(hidden)  # [k, V | N]
+        fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta, vocab)
         draft = Draft(
             DraftTree.chain(fused["tokens"]),
             q=None,
