@@ -21,6 +21,7 @@ from specflash.drafters.base import Draft, Drafter
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.drafters.dflash2 import DFlash2Config, DFlash2EngineDrafter
 from specflash.drafters.draft_model import DraftModelDrafter
+from specflash.drafters.gate import DraftGate
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
 from specflash.engine import Decoding
 from specflash.models.dflash import DFlashSpec
@@ -85,7 +86,20 @@ def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool) -> DFl
                       vocab_size=V, block_size=3, num_target_layers=1, target_layer_ids=(0,), mask_token_id=V - 1)
     model = new_drafter(spec, target, None if draft_ids is None else torch.tensor(draft_ids))
     model.init_weights(torch.Generator().manual_seed(3), std=0.5)
-    return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=gate), [1.0] * 4 if gate else None)
+    if gate:
+        return _PrimedGateDrafter(model.eval(), DFlashConfig(gate=True), [1.0] * 4)
+    return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=False))
+
+
+class _PrimedGateDrafter(DFlashEngineDrafter):
+    """Gated DFlash whose gate starts as after a good stretch (and decides from a fixed drafter
+    cost, not timings), so that in these 3-token runs it drafts from the first step and its widths
+    follow the sampled acceptances: the case where gating could bias the output."""
+
+    def begin(self, prompt_ids, sampling, generator) -> None:
+        super().begin(prompt_ids, sampling, generator)
+        self.gate = DraftGate(self.cost, self.draft_len, draft_cost=0.0)
+        self.gate.accept = [0.9] * self.draft_len
 
 
 def _dflash2(target: TargetModel) -> DFlash2EngineDrafter:
