@@ -19,6 +19,7 @@ from .drafters import Drafter, build_drafter
 from .engine import Decoding
 from .errors import EmptyPromptError, SamplingConfigError
 from .metrics import summarize
+from .models.presets import default_drafter
 from .models.target import TargetModel
 from .trace import RunRecord, StepRecord
 
@@ -86,8 +87,9 @@ def stream(
 ) -> Decoding:
     """An iterable of StepRecords, one per target forward (the first is the prefill).
 
-    `drafter` is a path/preset of the drafter model where the method needs one, or a ready
-    Drafter; `options` are the method's knobs (e.g. {"k": 4}). Sampling is set either by the
+    `drafter` is a path/preset of the drafter model where the method needs one (default: the
+    one the target's preset ships for this method, if any), or a ready Drafter; `options` are the
+    method's knobs (e.g. {"k": 4}). Sampling is set either by the
     plain keywords `temperature`, `top_p`, `top_k`, `seed` (as transformers' generate takes
     them) or by a `sampling` SamplingConfig, not both; the default is greedy.
     """
@@ -96,6 +98,7 @@ def stream(
     if isinstance(drafter, Drafter):
         built = drafter
     else:
+        drafter = drafter or default_drafter(str(target.name), method, cache_dir)
         built = build_drafter(method, target, options, drafter, cache_dir=cache_dir)
     return Decoding(target, built, ids, sampling, max_new_tokens, stop_on_eos,
                     prompt_text=prompt if isinstance(prompt, str) else None)

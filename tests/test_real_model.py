@@ -53,3 +53,17 @@ def test_speculative_methods_equal_greedy_on_the_real_model(smollm, method):
                    if method == "draft-self" else None)
         run = generate(smollm, ids, "pld" if method == "pld" else "ar", max_new_tokens=32, drafter=drafter)
         assert run.output_ids == ref[0, len(ids):].tolist(), prompt.id
+
+
+def test_the_api_drafts_with_the_presets_drafter_when_none_is_given(smollm):
+    """`generate(load("smollm2-135m"), prompt, "dflash")` needs no drafter argument: the preset ships one."""
+    from specflash.api import encode_prompt, generate
+    from specflash.prompts import heldout_prompts
+
+    ids = encode_prompt(smollm, heldout_prompts("code")[0].text)
+    inputs = torch.tensor([ids])
+    ref = smollm.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=24, do_sample=False)
+    for method in ("dflash", "adaflash", "dels"):
+        run = generate(smollm, ids, method, max_new_tokens=24, options={"gate": False})
+        assert run.output_ids == ref[0, len(ids):].tolist(), method
+        assert sum(len(s.tokens) for s in run.steps) > 0, method
