@@ -65,8 +65,7 @@ class DraftGate:
         if len(cost) < depth + 1:
             raise ValueError(f"the verify-cost curve has {len(cost)} points, the gate needs {depth + 1}")
         self.prior, self.depth, self.probe_every, self.smoothing = list(cost), depth, probe_every, smoothing
-        self.fixed_draft_cost = draft_cost
-        self.calibrate = draft_cost is None
+        self.calibrate = draft_cost is None  # a fixed drafter cost: reproducible decisions, no timing
         self.accept: list[float | None] = [None] * depth  # EMA of P(position i accepted | i-1 accepted)
         self.draft_cost = draft_cost  # d, EMA; None until timed
         self.step_time: float | None = None  # EMA of one plain target step, seconds
@@ -121,7 +120,7 @@ class DraftGate:
             return GateDecision("off", 0, 1.0, "no room left to draft")
         cost = self.cost
         values = [self.value(m, cost) for m in range(depth + 1)]
-        best = max(range(depth + 1), key=lambda m: (values[m], -m))
+        best = _best_width(values)
         if self.accept[0] is None and self.shadow is None:
             return GateDecision("shadow", depth, values[depth], "first step: a shadow draft measures acceptance "
                                 "without paying to verify it")
@@ -160,7 +159,7 @@ class DraftGate:
         """After drafting under `decision` (seconds: the drafter's time, 0 when off)."""
         if self._last is not None:
             self._last = (self._last[0], seconds, 1)
-        if decision.width and self.fixed_draft_cost is None and self.step_time is not None:
+        if decision.width and self.calibrate and self.step_time is not None:
             d = seconds / self.step_time
             self.draft_cost = d if self.draft_cost is None else self._ema(self.draft_cost, d)
         if decision.state in ("probe", "shadow"):
@@ -206,8 +205,14 @@ class DraftGate:
 
     def _looked(self) -> None:
         """After a probe or a shadow: look again sooner if drafting now pays, later if not."""
-        paid = max(range(self.depth + 1), key=lambda m: (self.value(m), -m)) > 0
+        cost = self.cost
+        paid = _best_width([self.value(m, cost) for m in range(self.depth + 1)]) > 0
         self.backoff = 1 if paid else min(self.backoff * 2, _MAX_BACKOFF)
 
     def _ema(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new
+
+
+def _best_width(values: list[float]) -> int:
+    """The width worth most (values[m]: expected tokens per unit cost of drafting m); the narrower on a tie."""
+    return max(range(len(values)), key=lambda m: (values[m], -m))
