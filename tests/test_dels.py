@@ -59,7 +59,9 @@ def test_fusion_over_a_draft_vocabulary_equals_the_full_one(tiny_targets):
     full = torch.full((7, target.vocab_size), float("-inf"))
     full[:, vocab] = small
     a = fuse_block(full, head, root=11, alpha=0.7, beta=0.3)
-    b = fuse_block(small, head, root=11, alpha=0.7, beta=0.3, vocab=vocab)
+    rows = target.model.get_output_embeddings().weight[vocab]
+    b = fuse_block(small, head, root=11, alpha=0.7, beta=0.3, vocab=vocab,
+                   readout=lambda hidden: torch.nn.functional.linear(hidden, rows))
     assert a["tokens"] == b["tokens"] and set(a["tokens"]) <= set(vocab.tolist())
     assert a["q"] == pytest.approx(b["q"], abs=1e-6)
     assert a["trace"]["flipped"] == b["trace"]["flipped"] and any(a["trace"]["flipped"])

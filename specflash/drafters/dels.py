@@ -13,6 +13,7 @@ engine's verification keeps the method lossless at every temperature.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,14 @@ class DeLSConfig(DFlashConfig):
 
 @torch.inference_mode()
 def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: float, beta: float,
-               vocab: torch.Tensor | None = None) -> dict[str, Any]:
+               vocab: torch.Tensor | None = None,
+               readout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
     """Draft the block token by token: long_logits [k, V] are DFlash's, fixed; the local head
     reads the root and each chosen token. With a draft vocabulary `vocab` (target ids [N]),
     long_logits are [k, N] over it and the fusion runs there only: every other token has a long
-    logit of -inf, so it could never win, and the local head's LM head costs N/V. Returns target
-    token ids, fused probabilities and the trace."""
+    logit of -inf, so it could never win. `readout` then gives the local head's logits over the
+    same N tokens (the drafter's `draft_logits`), at N/V of the full LM head's cost. Returns
+    target token ids, fused probabilities and the trace."""
     k = long_logits.shape[0]
     device = long_logits.device
     prior = head.log_prior.to(device)
@@ -64,7 +67,7 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
     state, last = None, root
     for i in range(k):
         if alpha:
-            short, state = head(torch.tensor([[last]], device=device), state, rows=vocab)
+            short, state = head(torch.tensor([[last]], device=device), state, readout)
             short = short[0, -1]  # [V] or [N]
         else:
             short = torch.zeros_like(long_logits[i])
@@ -97,7 +100,8 @@ class DeLSDrafter(DFlashEngineDrafter):
         hidden = self.block_hidden(context)[1 : k + 1]
         vocab = self.model.draft_ids
         long_logits = self.model.logits(hidden) if vocab is None else self.model.draft_logits(hidden)  # [k, V | N]
-        fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta, vocab)
+        fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta, vocab,
+                           None if vocab is None else self.model.draft_logits)
         draft = Draft(
             DraftTree.chain(fused["tokens"]),
             q=None,

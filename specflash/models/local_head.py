@@ -15,13 +15,13 @@ frequency of the training tokens, the l_prior of the fusion rule).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.nn import functional as F
 
 from ..errors import CheckpointError, DrafterMismatchError
 
@@ -49,27 +49,14 @@ class LocalHead(nn.Module):
         self._borrowed = (embed, lm_head)
 
     def forward(self, ids: torch.Tensor, state: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                readout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, T] -> (logits [B, T, V]: position j predicts token j+1, GRU state [1, B, G]).
-        With `rows` (token ids [N], e.g. a drafter's draft vocabulary) only those logits [B, T, N]:
-        the LM head is most of the cost of a step, and the other tokens could not be drafted."""
+        `readout` replaces the borrowed LM head, e.g. a DFlash drafter's `draft_logits` (the rows of
+        the same head for its draft vocabulary only: the head is most of a step's cost)."""
         head = self._borrowed[1]
         emb = self._borrowed[0](ids).to(self.proj.weight.dtype)  # [B, T, E]
         out, state = self.gru(emb, state)  # [B, T, G]
-        hidden = self.proj(out).to(head.weight.dtype)
-        if rows is None:
-            return head(hidden).float(), state
-        weight, bias = self._head_rows(rows)
-        return F.linear(hidden, weight, bias).float(), state
-
-    def _head_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The LM head's rows for `rows`, copied once and kept while the rows and the head stay."""
-        head = self._borrowed[1]
-        key = (rows.data_ptr(), rows.numel(), head.weight.data_ptr(), head.weight.dtype)
-        if getattr(self, "_rows_cache", (None,))[0] != key:
-            bias = getattr(head, "bias", None)
-            self._rows_cache = (key, head.weight[rows].detach(), None if bias is None else bias[rows].detach())
-        return self._rows_cache[1], self._rows_cache[2]
+        return (readout or head)(self.proj(out).to(head.weight.dtype)).float(), state
 
 
 def check_fits(spec: LocalHeadSpec, target) -> None:
