@@ -22,7 +22,7 @@ from specflash.training import dflash2, evaluate_dflash2, harvest
 from specflash.training.dflash2_objective import combine, sequence_terms, teacher_forced_scores
 from specflash.training.draft_vocab import frequent_tokens
 from specflash.training.dflash_objective import block_forward, make_sequence, sample_anchors
-from test_dflash import make_spec
+from test_dflash import make_spec, random_drafter
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick brown"]
 SHAPE = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=6)
@@ -224,3 +224,44 @@ def test_evaluation_reports_headroom_and_is_lossless(setup):
                              max_new_tokens=12)
     full = run.prompt_ids + run.output_ids  # headroom reads slot t's target token at context_len + t
     assert all(s.committed == full[s.context_len : s.context_len + len(s.committed)] for s in decode_steps(run))
+
+
+def test_dflash_trainer_grows_a_shallower_drafter(setup, tmp_path):
+    """`--layers 2 --init-from` a one-layer drafter: the new layer starts with zeroed output
+    projections (copying the target's next layer where the shapes allow), so before any step the grown drafter's block states equal the
+    shallow one's; one step later it trains and exports a lossless two-layer drafter."""
+    from specflash.training import dflash
+    from specflash.training.dflash_init import grow_from, source_layers
+
+    tmp, target, model_dir = setup
+    cfg = target.config
+    like_target = dict(block=8, feature_layers=(1,), num_heads=cfg.num_attention_heads,
+                       num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                       intermediate_size=cfg.intermediate_size)
+    shallow = random_drafter(target, seed=2, layers=1, **like_target).eval()
+    grown = new_drafter(make_spec(target, layers=2, **like_target), target).eval()
+    (copied,) = grow_from(grown, shallow.state_dict(), target, "tiny")
+    assert copied == source_layers(grown, target.num_layers)[1]
+    assert torch.equal(grown.layers[1].self_attn.q_proj.weight, target.layers[copied].self_attn.q_proj.weight.float())
+    assert not grown.layers[1].self_attn.o_proj.weight.any() and not grown.layers[1].mlp.down_proj.weight.any()
+    generator = torch.Generator().manual_seed(0)
+    block = torch.randint(0, target.vocab_size, (1, 8), generator=generator)
+    features = torch.randn(1, 5, target.hidden_size, generator=generator)
+    args = (block, torch.arange(5, 13)[None], features, torch.arange(5)[None])
+    with torch.no_grad():
+        assert torch.allclose(grown(*args), shallow(*args), atol=1e-6)
+
+    def train(out, *extra):
+        argv = ["--model", str(model_dir), "--data", str(tmp / "data"), "--target-layer-ids", "1", "--out", str(out),
+                "--steps", "1", "--epochs", "9", "--anchors", "8", "--seqs-per-step", "2", "--no-feature-cache", *extra]
+        assert dflash.main(argv) == 0
+
+    train(tmp_path / "one", "--draft-vocab", str(DRAFT_VOCAB))
+    train(tmp_path / "grow", "--layers", "2", "--init-from", str(tmp_path / "one" / "export"))
+    export = tmp_path / "grow" / "export"
+    assert json.loads((export / "config.json").read_text())["num_hidden_layers"] == 2
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    ar = specflash.generate(target, ids, "ar", max_new_tokens=16, stop_on_eos=False)
+    run = specflash.generate(target, ids, "dflash", drafter=str(export), options={"gate": False},
+                             max_new_tokens=16, stop_on_eos=False)
+    assert run.output_ids == ar.output_ids

@@ -31,7 +31,7 @@ from ..errors import SpecFlashError
 from ..models.dflash import DFlashDrafter, DFlashSpec, default_target_layers, loss_weights
 from ..models.dflash_io import (load_state, new_drafter, pick_mask_token, read_config, read_draft_ids, save_drafter,
                                 spec_from_config)
-from .dflash_init import init_from_target
+from .dflash_init import can_grow, grow_from, init_from_target
 from .draft_vocab import frequent_tokens
 from ..models.target import TargetModel
 from .data import MANIFEST, load_target, read_shard
@@ -117,7 +117,7 @@ def save_checkpoint(out: Path, model: DFlashDrafter, opt: torch.optim.Optimizer,
 
 def init_or_resume(args, target: TargetModel, out: Path) -> tuple[DFlashDrafter, torch.optim.Optimizer, Progress]:
     """A fresh drafter (random, from the target's top layers, or from `--init-from` a drafter
-    folder), or the last checkpoint in `out` (whose shape must match the arguments)."""
+    folder, which may be shallower: it grows, see `grow_from`), or the last checkpoint in `out` (whose shape must match the arguments)."""
     spec = build_spec(args, target)
     ckpt = out / CHECKPOINT
     resuming = (ckpt / TRAINER_STATE).is_file()
@@ -136,11 +136,16 @@ def init_or_resume(args, target: TargetModel, out: Path) -> tuple[DFlashDrafter,
             init_from_target(model, target)
         return model, opt, Progress()
     saved = spec_from_config(read_config(source))
-    if saved != spec:
-        raise SpecFlashError(f"{source} holds a drafter of another shape ({saved}); pass matching options or another --name")
     from safetensors.torch import load_file
 
-    load_state(model, load_file(str(Path(source) / "model.safetensors")), str(source))
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    if not resuming and can_grow(saved, spec):
+        model.init_weights(torch.Generator().manual_seed(args.seed))
+        grow_from(model, tensors, target, str(source))
+        return model, opt, Progress()
+    if saved != spec:
+        raise SpecFlashError(f"{source} holds a drafter of another shape ({saved}); pass matching options or another --name")
+    load_state(model, tensors, str(source))
     if not resuming:
         return model, opt, Progress()
     state = torch.load(ckpt / TRAINER_STATE, map_location=target.device, weights_only=True)
@@ -336,7 +341,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init", choices=("random", "target"), default="random",
                    help="start the draft layers from the target's layers after the deepest feature layer")
     p.add_argument("--init-from", type=Path, default=None,
-                   help="start from this drafter folder's weights (and d2t), with a fresh optimizer and schedule")
+                   help="start from this drafter folder's weights (and d2t), with a fresh optimizer and schedule; a "
+                        "shallower drafter grows to --layers, its new layers starting as the identity")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=float, default=0.04, help="fraction of steps")
     p.add_argument("--clip", type=float, default=1.0)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..models.dflash import DFlashDrafter
+import dataclasses
+
+from ..models.dflash import DFlashDrafter, DFlashSpec
 from ..models.target import TargetModel
 
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
@@ -55,3 +57,43 @@ def _copy(mine: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
         raise ValueError(f"cannot start the drafter from the target: {what} has shape {tuple(theirs.shape)}, "
                          f"the drafter's {tuple(mine.shape)}")
     mine.copy_(theirs.to(mine.dtype))
+
+
+def can_grow(saved: DFlashSpec, spec: DFlashSpec) -> bool:
+    """True when `spec` is `saved` with more draft layers (and nothing else changed)."""
+    return spec.num_layers > saved.num_layers and dataclasses.replace(
+        saved, num_layers=spec.num_layers, layer_types=spec.layer_types) == spec
+
+
+@torch.no_grad()
+def grow_from(model: DFlashDrafter, tensors: dict[str, torch.Tensor], target: TargetModel, name: str) -> list[int]:
+    """Start a deeper drafter from a trained shallower one (`tensors`); returns the target layers
+    the new draft layers copy.
+
+    Why: training a deeper drafter from scratch throws away what the shallow one learned. Here its
+    fc, norms and layers are kept as they are, and each new layer is copied from the target (as
+    `init_from_target` would, or kept as initialised when the shapes differ, e.g. another MLP
+    width) but with its attention and MLP output projections zeroed, so every
+    new layer starts as the identity on the residual stream: the grown drafter drafts exactly what
+    the shallow one did, and training can only add to it."""
+    own = model.state_dict()
+    kept = {k: v for k, v in tensors.items() if k in own}
+    shallow = {int(k.split(".")[1]) for k in kept if k.startswith("layers.")}
+    ids = source_layers(model, target.num_layers)
+    new = [i for i in range(model.spec.num_layers) if i not in shallow]
+    for i in new:
+        draft_layer, source = model.layers[i], target.layers[ids[i]]
+        pairs = [(getattr(getattr(draft_layer, block), proj).weight, getattr(getattr(source, block), proj).weight)
+                 for block, names in _PROJECTIONS for proj in names]
+        pairs += [(getattr(draft_layer, norm).weight, getattr(source, norm).weight) for norm in _NORMS]
+        if all(mine.shape == theirs.shape for mine, theirs in pairs):
+            for mine, theirs in pairs:
+                mine.copy_(theirs.to(mine.dtype))
+        draft_layer.self_attn.o_proj.weight.zero_()
+        draft_layer.mlp.down_proj.weight.zero_()
+        kept.update({f"layers.{i}.{k}": v for k, v in draft_layer.state_dict().items()})
+    missing = sorted(set(own) - set(kept))
+    if missing:
+        raise ValueError(f"{name}: cannot grow from it, missing {missing[:6]}")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in kept.items()}, strict=True)
+    return [ids[i] for i in new]
