@@ -1,5 +1,8 @@
 """Side-by-side benchmark: every method on the same held-out prompts, interleaved, medians.
 
+(`--prompts tuning` runs the same harness on the tuning requests, to choose knobs such as the
+draft gate's `switch_on` without looking at the held-out prompts.)
+
 Machines are shared and noisy, so absolute tokens/s drift; what holds is the ratio of two runs
 measured back to back. Each (repeat, prompt) round runs every method once, in a rotating order,
 and the speedup of a method is the median over rounds of ar's wall time / its wall time on the
@@ -30,10 +33,13 @@ HF_ROWS = ("hf-assisted", "hf-pld")
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--methods", default=None, help="comma list (default ar,pld,hf-pld); hf-assisted and hf-pld are "
-                   "reference rows; with --batch-sizes (default ar,dflash,adaflash): ar, dflash, adaflash and labelled "
-                   "variants such as adaflash:fixed (a label naming a cut rule sets it; -o adaflash:fixed.KEY=VALUE "
-                   "sets that variant's knobs)")
+                   "reference rows; labelled variants such as dflash:margin or adaflash:fixed run the method with "
+                   "their own knobs (-o dflash:margin.KEY=VALUE; a label naming an adaflash cut rule sets it); with "
+                   "--batch-sizes (default ar,dflash,adaflash): ar, dflash, adaflash and their variants")
     p.add_argument("--domains", default="math,code,writing,rewrite")
+    p.add_argument("--prompts", choices=("heldout", "tuning"), default="heldout",
+                   help="held-out prompts (the figures to report), or tuning requests (harvest.tuning_jobs: choose "
+                        "knobs there, never on the held-out prompts)")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
@@ -91,6 +97,33 @@ def _method_options(items: list[str]) -> dict[str, dict]:
     return per
 
 
+def label_variants(names: list[str], per_method: dict[str, dict]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """{variant name: (method, options)} in the given order: `method:label` takes the method's
+    options, then its own (`-o method:label.KEY=VALUE`); an adaflash label naming a cut rule sets it."""
+    from .drafters.adaflash import RULES
+
+    variants = {}
+    for name in names:
+        method, _, label = name.partition(":")
+        rule = {"rule": label} if method == "adaflash" and label in RULES else {}
+        variants[name] = (method, {**per_method.get(method, {}), **rule, **(per_method.get(name, {}) if label else {})})
+    return variants
+
+
+def bench_prompts(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(domain, prompt id, text) for the chosen prompt set, `prompts_per_domain` per domain."""
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    if args.prompts == "tuning":
+        from .models.acquire import default_cache_dir
+        from .training.harvest import tuning_jobs
+
+        jobs = tuning_jobs(args.prompts_per_domain, args.cache_dir or default_cache_dir())
+        return [(j.domain, j.sample_id, j.text) for j in jobs if j.domain in domains]
+    from .prompts import heldout_prompts
+
+    return [(q.domain, q.id, q.text) for d in domains for q in heldout_prompts(d)[: args.prompts_per_domain]]
+
+
 def summarize_samples(samples: list[Sample], methods: list[str]) -> list[dict[str, Any]]:
     """One row per method (in the given order): medians, pooled acceptance, speedup as the
     median of paired ratios."""
@@ -138,7 +171,6 @@ def device_label(target) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     from .api import encode_prompt, load
     from .models.loading import load_causal_lm
-    from .prompts import heldout_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,10 +182,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if "ar" not in methods:
         methods.insert(0, "ar")
     target = load(args.model, device=args.device, dtype=torch_dtype(args.dtype), cache_dir=args.cache_dir)
-    options = _method_options(args.option)
+    variants = label_variants(methods, _method_options(args.option))
     drafter = args.drafter or default_drafter(args.model, "draft", args.cache_dir)
     runners = {}
-    for m in methods:
+    for name, (m, options) in variants.items():
         if m in HF_ROWS:
             drafter_model = None
             if m == "hf-assisted":
@@ -161,24 +193,24 @@ def run_bench(args: argparse.Namespace) -> int:
                 if drafter_model is None:
                     print("skipping hf-assisted: no draft model (pass --drafter)")
                     continue
-            runners[m] = _hf_runner(target, m, drafter_model)
+            runners[name] = _hf_runner(target, m, drafter_model)
         else:
             method_drafter = drafter if m == "draft" else args.drafter or default_drafter(args.model, m, args.cache_dir)
-            runners[m] = _engine_runner(target, m, method_drafter, options.get(m, {}), args.cache_dir)
-    prompts = [p for d in args.domains.split(",") for p in heldout_prompts(d.strip())[: args.prompts_per_domain]]
-    encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
+            runners[name] = _engine_runner(target, m, method_drafter, options, args.cache_dir)
+    prompts = bench_prompts(args)
+    encoded = {pid: encode_prompt(target, text) for _, pid, text in prompts}
     names = list(runners)
     for name in names:  # warm-up: first forwards are several times slower
-        runners[name](encoded[prompts[0].id], 4)
+        runners[name](encoded[prompts[0][1]], 4)
     samples: list[Sample] = []
     for repeat in range(args.repeats):
-        for i, prompt in enumerate(prompts):
+        for i, (domain, pid, _) in enumerate(prompts):
             shift = (repeat * len(prompts) + i) % len(names)
             for name in names[shift:] + names[:shift]:
                 t0 = time.perf_counter()
-                out, metrics = runners[name](encoded[prompt.id], args.max_new_tokens)
+                out, metrics = runners[name](encoded[pid], args.max_new_tokens)
                 wall = time.perf_counter() - t0
-                samples.append(Sample(name, prompt.domain, prompt.id, repeat, wall, len(out), out, metrics))
+                samples.append(Sample(name, domain, pid, repeat, wall, len(out), out, metrics))
     rows = summarize_samples(samples, names)
     domains = dict.fromkeys(s.domain for s in samples)
     per_domain = {d: summarize_samples([s for s in samples if s.domain == d], names) for d in domains}
@@ -188,7 +220,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"\n[{domain}]\n" + format_table(drows, device))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "device": device, "model": args.model, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "device": device, "model": args.model, "prompt_set": args.prompts, "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "options": {name: options for name, (_, options) in variants.items() if options},
         "rows": rows, "per_domain": per_domain, "samples": [s.__dict__ for s in samples],
         "note": "speedup = median over (prompt, repeat) of ar wall time / method wall time, both end to end",
     }, indent=1))

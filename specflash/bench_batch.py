@@ -61,21 +61,18 @@ def parse_batch_sizes(text: str) -> list[int]:
 def parse_variants(methods: str, per_method: dict[str, dict]) -> dict[str, tuple[str, dict[str, Any]]]:
     """{variant name: (method, options)} in the given order, ar first."""
     from .batch import BATCH_METHODS
-    from .drafters.adaflash import RULES
+    from .bench import label_variants
     from .errors import UnbatchableMethodError
 
     names = [m.strip() for m in methods.split(",") if m.strip()]
     if "ar" not in names:
         names.insert(0, "ar")
-    variants = {}
-    for name in names:
-        method, _, label = name.partition(":")
+    variants = label_variants(names, per_method)
+    for method, _ in variants.values():
         if method not in BATCH_METHODS:
             raise UnbatchableMethodError(
                 f"method {method!r} does not decode in batches; --batch-sizes takes {', '.join(BATCH_METHODS)}"
             )
-        rule = {"rule": label} if method == "adaflash" and label in RULES else {}
-        variants[name] = (method, {**per_method.get(method, {}), **rule, **(per_method.get(name, {}) if label else {})})
     return variants
 
 

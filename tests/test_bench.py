@@ -39,3 +39,42 @@ def test_ptd_sweep_gives_one_lossless_row_per_shape(tiny_targets, capsys):
     assert all(r["identical_to_ar"] and r["mean_acceptance_length"] >= 1.0 for r in rows)
     assert rows[0]["lookahead_per_forward"] == 0.0 < rows[1]["lookahead_per_forward"]
     assert capsys.readouterr().out.splitlines() == [bench_ptd.format_row(r) for r in rows]
+
+
+def test_bench_runs_labelled_variants_with_their_own_knobs(tiny_targets, tiny_dirs, tmp_path, capsys):
+    import json
+
+    from specflash.cli import main
+    from specflash.models.dflash_io import save_drafter
+    from test_dflash import random_drafter
+
+    folder = tmp_path / "drafter"
+    save_drafter(random_drafter(tiny_targets["qwen3"], block=4, feature_layers=(1,)), folder)
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(tiny_dirs["qwen3"]), "--methods", "ar,dflash,dflash:short",
+                 "-o", "dflash.gate=false", "-o", "dflash:short.max_draft=1", "--domains", "code",
+                 "--prompts-per-domain", "1", "--max-new-tokens", "6", "--repeats", "1", "--drafter", str(folder),
+                 "--out", str(out)])
+    assert code == 0 and "dflash:short" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["prompt_set"] == "heldout"
+    assert data["options"] == {"dflash": {"gate": False}, "dflash:short": {"gate": False, "max_draft": 1}}
+    rows = {r["method"]: r for r in data["rows"]}
+    assert all(r["identical_to_ar"] for r in rows.values())
+    # max_draft=1 reached the variant's drafter: it verifies 2 tokens a step where dflash verifies 4
+    assert rows["dflash:short"]["verified_per_committed"] < rows["dflash"]["verified_per_committed"]
+
+
+def test_bench_tuning_prompts_come_from_the_tuning_requests(monkeypatch, tmp_path):
+    import argparse
+
+    from specflash import bench
+    from specflash.training import harvest
+    from specflash.training.sources import Job
+
+    def fake(per_domain, cache):
+        return [Job(f"{d}-{i}", d, "src", f"{d} request {i}") for d in ("code", "math") for i in range(per_domain)]
+
+    monkeypatch.setattr(harvest, "tuning_jobs", fake)
+    args = argparse.Namespace(prompts="tuning", domains="math", prompts_per_domain=2, cache_dir=tmp_path)
+    assert bench.bench_prompts(args) == [("math", "math-0", "math request 0"), ("math", "math-1", "math request 1")]

@@ -30,6 +30,22 @@ def test_width_maximises_tokens_per_cost():
     assert gate.decide(7).state == "off"
 
 
+def test_switching_on_needs_the_margin_staying_on_does_not():
+    gate = DraftGate(STEEP, depth=3, probe_every=10, draft_cost=0.1, switch_on=1.2)
+    gate.accept = [0.62] * 3
+    assert 1.0 < max(gate.value(m) for m in range(4)) < 1.2
+    waiting = gate.decide(3)
+    assert waiting.state == "off" and "1.20x" in waiting.reason
+    gate.accept = [0.9] * 3
+    assert gate.decide(3).state == "on"
+    gate.accept = [0.62] * 3
+    assert gate.decide(3).state == "on"  # already on: worth more than plain decoding is enough
+    gate.accept = [0.05] * 3
+    assert gate.decide(3).state == "off"
+    gate.accept = [0.62] * 3
+    assert gate.decide(3).state == "off"  # off again: the margin applies again
+
+
 def test_shadow_interval_doubles_while_drafting_does_not_pay():
     gate = DraftGate(STEEP, depth=3, probe_every=2, draft_cost=0.5)
     context, looks, states = [1, 2], [], []
@@ -73,6 +89,8 @@ def test_gate_needs_a_cost_curve(tiny_targets):
         DFlashEngineDrafter(model, DFlashConfig())
     with pytest.raises(MethodConfigError, match="probe_every"):
         DFlashConfig(probe_every=0)
+    with pytest.raises(MethodConfigError, match="switch_on"):
+        DFlashConfig(switch_on=0.9)
 
 
 def _cpu_like_costs(monkeypatch) -> None:

@@ -30,11 +30,13 @@ class DFlashConfig:
     """DFlash: the checkpoint fixes the block size L; `max_draft` (None = L - 1) caps the number
     of drafted tokens per step, e.g. to trade acceptance for cheaper verification. `gate` lets the
     draft gate (gate.py) shrink the draft, down to none, when recent acceptance does not pay for
-    drafting on this device; it probes again every `probe_every` steps or more."""
+    drafting on this device; it probes again every `probe_every` steps or more, and starts drafting
+    again once a width is worth `switch_on` times plain decoding."""
 
     max_draft: int | None = None
     gate: bool = True
     probe_every: int = 4
+    switch_on: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
@@ -45,6 +47,8 @@ class DFlashConfig:
             raise MethodConfigError(f"gate must be true or false, got {self.gate!r}")
         if not isinstance(self.probe_every, int) or isinstance(self.probe_every, bool) or self.probe_every < 1:
             raise MethodConfigError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        if isinstance(self.switch_on, bool) or not isinstance(self.switch_on, (int, float)) or not self.switch_on >= 1:
+            raise MethodConfigError(f"switch_on must be a number >= 1 (1 = no margin), got {self.switch_on!r}")
 
 
 class DFlashEngineDrafter(Drafter):
@@ -65,7 +69,8 @@ class DFlashEngineDrafter(Drafter):
         super().begin(prompt_ids, sampling, generator)
         self.cache = DFlashCache(self.spec.num_layers)
         self.pending: list[torch.Tensor] = []  # features [m, n_feat*H] not yet in the cache
-        self.gate = DraftGate(self.cost, self.draft_len, self.cfg.probe_every) if self.cfg.gate else None
+        self.gate = (DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on)
+                     if self.cfg.gate else None)
 
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)
