@@ -265,3 +265,34 @@ def test_dflash_trainer_grows_a_shallower_drafter(setup, tmp_path):
     run = specflash.generate(target, ids, "dflash", drafter=str(export), options={"gate": False},
                              max_new_tokens=16, stop_on_eos=False)
     assert run.output_ids == ar.output_ids
+
+
+def test_held_out_shards_are_never_trained_on_and_feed_the_length_head(setup, tmp_path, monkeypatch):
+    """`--hold-out`: the loop never opens the shard, the export records it, a run continued from
+    that export inherits it, and the length head fits on exactly that unseen shard."""
+    import argparse
+
+    from specflash.training import dflash, length_head
+
+    tmp, _, model_dir = setup
+    opened = []
+    train_shard = dflash.TrainLoop._train_shard
+    monkeypatch.setattr(dflash.TrainLoop, "_train_shard", lambda run, shard: opened.append(shard.name) or
+                        train_shard(run, shard))
+
+    def train(out, *extra):
+        argv = ["--model", str(model_dir), "--data", str(tmp / "data"), "--target-layer-ids", "1", "--out", str(out),
+                "--steps", "6", "--epochs", "9", "--anchors", "8", "--seqs-per-step", "2", "--no-feature-cache", *extra]
+        assert dflash.main(argv) == 0
+        return json.loads((out / "export" / "config.json").read_text())["specflash_training"]
+
+    held = "shard-00001.safetensors"
+    assert train(tmp_path / "first", "--draft-vocab", str(DRAFT_VOCAB), "--hold-out", held)["held_out"] == [held]
+    assert opened and set(opened) == {"shard-00000.safetensors"}  # 6 steps: more than one epoch of shard 0
+    assert train(tmp_path / "next", "--init-from", str(tmp_path / "first" / "export"))["held_out"] == [held]
+    args = argparse.Namespace(data=[tmp / "data"], drafter=str(tmp_path / "next" / "export"), max_shards=None)
+    shards, unseen = length_head.pick_shards(args)
+    assert [p.name for p in shards] == [held] and unseen
+    args.drafter = str(tmp / "dflash")  # trained without a hold-out: the first shards, flagged as seen
+    assert [p.name for p in length_head.pick_shards(args)[0]] == ["shard-00000.safetensors", held]
+    assert not length_head.pick_shards(args)[1]

@@ -56,17 +56,25 @@ class Progress:
     shards: list[str] = field(default_factory=list)  # this epoch's shards, in training order
 
 
-def shard_paths(data_dirs: Seq[Path]) -> list[Path]:
-    """Every finished shard of every data folder, in manifest order."""
+def shard_paths(data_dirs: Seq[Path], hold_out: Seq[str] = ()) -> list[Path]:
+    """Every finished shard of every data folder, in manifest order, but those whose file name is
+    in `hold_out`."""
     paths = []
     for d in data_dirs:
         manifest = Path(d) / MANIFEST
         if not manifest.is_file():
             raise SpecFlashError(f"{d} has no {MANIFEST}; make data with python -m specflash.training.data")
-        paths += [Path(d) / s["file"] for s in json.loads(manifest.read_text(encoding="utf-8"))["shards"]]
+        paths += [Path(d) / s["file"] for s in json.loads(manifest.read_text(encoding="utf-8"))["shards"]
+                  if s["file"] not in hold_out]
     if not paths:
         raise SpecFlashError("no finished shards in " + ", ".join(map(str, data_dirs)))
     return paths
+
+
+def add_hold_out_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hold-out", type=lambda s: [x for x in s.split(",") if x], default=[], metavar="SHARD,...",
+                   help="shard file names never trained on, recorded in the drafter's config: data the drafter has "
+                        "not seen, for its length head and for honest validation")
 
 
 def _order(n: int, seed: int, *salt: int) -> list[int]:
@@ -126,7 +134,7 @@ def init_or_resume(args, target: TargetModel, out: Path) -> tuple[DFlashDrafter,
     if source is not None:
         draft_ids = read_draft_ids(Path(source), read_config(source), target.vocab_size)
     elif args.draft_vocab:
-        draft_ids = frequent_tokens(shard_paths(args.data), args.draft_vocab, target.vocab_size)
+        draft_ids = frequent_tokens(shard_paths(args.data, args.hold_out), args.draft_vocab, target.vocab_size)
     model = new_drafter(spec, target, draft_ids).float()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     if source is None:
@@ -193,7 +201,8 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int, voca
 def _total_steps(args, data_dirs: Seq[Path]) -> int:
     """`--steps`, or enough steps for `--epochs` passes over every sample."""
     samples = sum(len(s["ids"]) for d in data_dirs
-                  for s in json.loads((Path(d) / MANIFEST).read_text(encoding="utf-8"))["shards"])
+                  for s in json.loads((Path(d) / MANIFEST).read_text(encoding="utf-8"))["shards"]
+                  if s["file"] not in args.hold_out)
     return args.steps or max(1, args.epochs * math.ceil(samples / args.seqs_per_step))
 
 
@@ -232,7 +241,7 @@ class TrainLoop:
         p = self.progress
         while not self.finished():
             if not p.shards:
-                shards = shard_paths(self.args.data)
+                shards = shard_paths(self.args.data, self.args.hold_out)
                 p.shards = [str(shards[i]) for i in _order(len(shards), self.args.seed, p.epoch)]
             while p.shard_pos < len(p.shards) and not self.finished():
                 self._train_shard(Path(p.shards[p.shard_pos]))
@@ -273,6 +282,8 @@ def train(args: argparse.Namespace) -> Progress:
     """Run (or resume) training until `--epochs`/`--steps` or `--minutes` are used up."""
     out = Path(args.out or Path(platformdirs.user_cache_dir("specflash")) / "train" / f"dflash-{args.name}")
     out.mkdir(parents=True, exist_ok=True)
+    if args.init_from and not args.hold_out:  # what the starting drafter never saw, this one must not see either
+        args.hold_out = read_config(args.init_from).get("specflash_training", {}).get("held_out", [])
     hf_model, tokenizer = load_target(Path(args.model), args.device, torch.float32)
     target = TargetModel(hf_model, tokenizer, name=str(Path(args.model).resolve()))
     model, opt, progress = init_or_resume(args, target, out)
@@ -283,7 +294,7 @@ def train(args: argparse.Namespace) -> Progress:
         if model.draft_ids is not None:
             raise SpecFlashError("--head-vocab restricts the training softmax of a full-vocabulary drafter; this one "
                                  "has a draft vocabulary already (--draft-vocab or the checkpoint's d2t)")
-        vocab = frequent_tokens(shard_paths(args.data), args.head_vocab, target.vocab_size)
+        vocab = frequent_tokens(shard_paths(args.data, args.hold_out), args.head_vocab, target.vocab_size)
     weights = loss_weights(args.block_size, args.gamma)
     TrainLoop(
         args, target, model, opt, progress, out, total, cache,
@@ -303,6 +314,7 @@ def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
     if args.init_from:  # the starting folder fixed the initialisation and the draft vocabulary
         keep = tuple(k for k in keep if k not in ("init", "draft_vocab")) + ("init_from",)
     return {"specflash_training": {**{k: _portable(getattr(args, k)) for k in keep}, "data": [Path(d).name for d in args.data],
+                                   "held_out": list(args.hold_out),
                                    "steps": progress.step, "tokens": progress.tokens,
                                    "minutes": round(progress.seconds / 60, 1)}}
 
@@ -321,6 +333,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="local Hugging Face folder of the target")
     p.add_argument("--data", required=True, type=lambda s: [Path(x) for x in s.split(",") if x],
                    help="comma list of data folders (python -m specflash.training.data)")
+    add_hold_out_arg(p)
     p.add_argument("--name", default="run", help="run name: the cache folder is train/dflash-NAME")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: per-user cache)")
     p.add_argument("--export", type=Path, default=None, help="also copy the final fp16 drafter here")

@@ -48,7 +48,7 @@ from ..models.dflash2 import DFlash2Drafter, DFlash2Spec, from_dflash
 from ..models.dflash_io import DFLASH2_KEYS, load_drafter, save_drafter
 from ..models.target import TargetModel
 from .data import load_target
-from .dflash import CHECKPOINT, TRAINER_STATE, Progress, TrainLoop, _total_steps, learning_rate
+from .dflash import CHECKPOINT, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg, learning_rate
 from .dflash2_objective import combine, sequence_terms
 from .dflash_objective import sample_anchors
 from .entry import run_script
@@ -172,7 +172,8 @@ def recipe(args: argparse.Namespace, progress: Progress) -> dict:
     keep = ("train", "lr", "base_lr", "unary_weight", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed",
             "codebook_std")
     return {"specflash_training": {**{k: getattr(args, k) for k in keep}, "init_from": Path(args.init_from).name,
-                                   "data": [Path(d).name for d in args.data], "steps": progress.step,
+                                   "data": [Path(d).name for d in args.data], "held_out": list(args.hold_out),
+                                   "steps": progress.step,
                                    "tokens": progress.tokens, "minutes": round(progress.seconds / 60, 1)}}
 
 
@@ -183,6 +184,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
                    help="comma list of data folders (harvest or data shards)")
     p.add_argument("--init-from", required=True, type=Path,
                    help="the DFlash drafter to start from (converted, identity start), or a DFlash 2 one to continue")
+    add_hold_out_arg(p)
     p.add_argument("--name", default="run", help="run name: the cache folder is train/dflash2-NAME")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: per-user cache)")
     p.add_argument("--export", type=Path, default=None, help="also copy the final fp16 drafter here")

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..errors import SpecFlashError
 from ..models.dflash import DFlashDrafter
-from ..models.dflash_io import D2T_FILE
+from ..models.dflash_io import D2T_FILE, read_config
 from ..models.length_head import LengthHead, length_labels, save_length_head, verify_len
 from ..models.presets import portable_path
 from ..models.target import TargetModel
@@ -115,6 +115,21 @@ def _join(blocks: list[Blocks]) -> Blocks:
     return Blocks(torch.cat([b.hidden for b in blocks]), torch.cat([b.accepted for b in blocks]))
 
 
+def pick_shards(args: argparse.Namespace) -> tuple[list[Path], bool]:
+    """The shards to fit on, and whether the drafter never trained on them: the shards its config
+    says it held out (`--hold-out` of the trainer) when the data holds them, else the first
+    `--max-shards`. On shards it trained on, a drafter accepts more than on new text, and a head
+    fitted there asks for too long drafts."""
+    from ..drafters.dflash import drafter_folder
+
+    every = shard_paths(args.data)
+    held = read_config(drafter_folder(str(args.drafter))).get("specflash_training", {}).get("held_out", [])
+    unseen = [p for p in every if p.name in held]
+    if unseen:
+        return unseen[: args.max_shards], True
+    return every[: args.max_shards], False
+
+
 def train(args: argparse.Namespace) -> dict:
     from ..api import load
     from ..drafters.dflash import drafter_folder, load_dflash_model
@@ -122,7 +137,8 @@ def train(args: argparse.Namespace) -> dict:
     target = load(args.model, device=args.device, dtype=torch.float32)
     model = load_dflash_model(target, args.drafter, "length_head").float().eval()
     cache = Path(args.feature_cache or Path(platformdirs.user_cache_dir("specflash")) / "train" / "features")
-    per_seq = collect_blocks(target, model, shard_paths(args.data)[: args.max_shards], args.anchors, args.seed, cache)
+    shards, unseen = pick_shards(args)
+    per_seq = collect_blocks(target, model, shards, args.anchors, args.seed, cache)
     if len(per_seq) < 2:
         raise SpecFlashError("too little data: need at least two sequences with response tokens")
     n_val = max(1, len(per_seq) // 10)
@@ -134,7 +150,8 @@ def train(args: argparse.Namespace) -> dict:
     losses = fit(head, fit_on, args.epochs, args.lr, args.batch, args.seed, L)
     report = {"train": score(head, fit_on, L), "heldout": score(head, val, L), "epoch_losses": losses,
               "recipe": {k: getattr(args, k) for k in ("anchors", "epochs", "lr", "batch", "bottleneck", "seed", "max_shards")},
-              "data": [portable_path(d) for d in args.data], "drafter": portable_path(args.drafter)}
+              "data": [portable_path(d) for d in args.data], "drafter": portable_path(args.drafter),
+              "shards": [p.name for p in shards], "shards_unseen_by_drafter": unseen}
     args.export.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", D2T_FILE):
         source = drafter_folder(str(args.drafter)) / name
@@ -153,8 +170,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
                    help="comma list of data folders (training.data or training.opd rounds) of target responses")
     p.add_argument("--export", required=True, type=Path, help="folder for the drafter + head (a copy of --drafter)")
     p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
-    p.add_argument("--max-shards", type=int, default=None, help="use only the first N shards (drafting the blocks is "
-                                                                "most of the time)")
+    p.add_argument("--max-shards", type=int, default=None, help="use at most N shards (drafting the blocks is most of "
+                   "the time): the drafter's held-out shards when its config lists them, else the first N")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=256)
