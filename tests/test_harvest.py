@@ -84,3 +84,30 @@ def test_folder_resumes_grows_and_serves_chosen_layers(llama, tmp_path):
     assert harvested_features(shard, (2,), 4) is None  # a layer that was not captured
     with pytest.raises(Exception, match="other settings"):
         harvest.harvest(harvest.parse_args([*argv, "--limit", "10", "--seed", "3"]))
+
+
+def test_sampled_prompt_answers_vary_and_repeat_from_the_seed(llama, tmp_path):
+    """prompts-sampled: each train prompt answered several times at a temperature; another folder
+    (the temperature is part of its key), the same tokens again from the same seed, and the greedy
+    recipe's folder key is untouched by the new option."""
+    argv = ["--model", str(llama), "--sources", "prompts-sampled", "--layers", "0,1", "--max-new-tokens", "10",
+            "--batch-size", "4", "--shard-size", "8", "--per-source", "8", "--temperature", "1.0"]
+    runs = [load_shards(harvest.harvest(harvest.parse_args([*argv, "--out", str(tmp_path / d)]))["out"])
+            for d in ("a", "b")]
+    assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]]
+    jobs = harvest.sampled_prompt_jobs(8)
+    assert [s.sample_id for s in runs[0]] == [j.sample_id for j in jobs] and all(j.source == "prompts-sampled" for j in jobs)
+    model, tokenizer = load_target(llama, "cpu", torch.float32)
+    hooks = harvest._Hooks(model.get_decoder().layers, (1,))
+    for source, distinct in (("prompts-sampled", 4), ("prompts", 1)):  # four answers to one request
+        jobs = [Job(f"q~{k}", "code", source, "def add(a, b):") for k in range(4)]
+        made = harvest.generate_with_features(model, tokenizer, hooks, jobs, 10, temperature=1.0)
+        assert len({tuple(s.token_ids) for s, _ in made}) == distinct
+    hooks.remove()
+    keys = {t: harvest.default_out(llama, harvest._settings(harvest.parse_args([*argv, "--temperature", t])))
+            for t in ("0.7", "1.0")}
+    assert keys["0.7"] != keys["1.0"]
+    greedy = harvest._settings(harvest.parse_args(["--model", str(llama)]))
+    assert "temperature" not in greedy  # the existing greedy folders keep their key
+    with pytest.raises(Exception, match="temperature"):
+        harvest.harvest(harvest.parse_args([*argv, "--temperature", "0", "--out", str(tmp_path / "c")]))

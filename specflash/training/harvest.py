@@ -1,8 +1,9 @@
 """Drafter data at scale: the target answers many requests greedily, in large batches with its KV
 cache, and the hidden features a DFlash drafter reads are captured during that same generation.
 
-Why: a drafter learns to predict the *target*, so its data is the target's own greedy answers,
-and its inputs are the target's hidden states at every position. Capturing them while generating
+Why: a drafter learns to predict the *target*, so its data is the target's own greedy answers
+(and, from the `prompts-sampled` source, several answers per train prompt drawn at a temperature,
+for variety), and its inputs are the target's hidden states at every position. Capturing them while generating
 (forward hooks on the chosen layers, at the prefill and at every decode step) saves the second
 teacher-forced pass over each sequence that `dflash_features.py` would otherwise need.
 
@@ -44,6 +45,7 @@ from .sources import Job
 
 RECIPE_SOURCES: tuple[str, ...] = ("prompts", "code-tasks", "writing-tasks", "rewrite-tasks", "stdlib",
                                    "shakespeare", "arithmetic")
+SAMPLED_SOURCES: tuple[str, ...] = ("prompts-sampled",)  # answers drawn at --temperature, not greedy
 FEATURES_SUFFIX = ".features.safetensors"
 DEFAULT_PER_SOURCE = 2000
 
@@ -52,6 +54,7 @@ def recipe_jobs(seed: int, per_source: int, names: Sequence[str], cache: Path) -
     """Every job of the recipe, interleaved round-robin across sources so any prefix mixes them."""
     makers = {
         "prompts": lambda: [Job(p.id, p.domain, "prompts", p.text) for p in training_prompts()],
+        "prompts-sampled": lambda: sampled_prompt_jobs(per_source),
         "code-tasks": lambda: task_sources.code_task_jobs(per_source, seed),
         "writing-tasks": lambda: task_sources.writing_task_jobs(per_source, seed),
         "rewrite-tasks": lambda: task_sources.rewrite_task_jobs(per_source, seed),
@@ -65,6 +68,16 @@ def recipe_jobs(seed: int, per_source: int, names: Sequence[str], cache: Path) -
     lists = [makers[n]() for n in names]
     longest = max((len(jobs) for jobs in lists), default=0)
     return [jobs[i] for i in range(longest) for jobs in lists if i < len(jobs)]
+
+
+def sampled_prompt_jobs(n: int) -> list[Job]:
+    """`n` requests cycling over the train prompts (answer k of prompt p is `p~k`): sampled, each
+    answer takes the conversation elsewhere, so the few hand-written prompts give many contexts.
+    The labels stay the target's own tokens, and training on its samples fits the drafter to the
+    target's distribution, whose argmax is the greedy answer."""
+    prompts = training_prompts()
+    return [Job(f"{p.id}~{i // len(prompts)}", p.domain, "prompts-sampled", p.text)
+            for i, p in ((i, prompts[i % len(prompts)]) for i in range(n))]
 
 
 def tuning_jobs(per_domain: int, cache: Path, seed: int = 1000, per_source: int = DEFAULT_PER_SOURCE) -> list[Job]:
@@ -117,11 +130,30 @@ class _Hooks:
 
 
 @torch.inference_mode()
-def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job], max_new_tokens: int
-                           ) -> list[tuple[Sample, torch.Tensor]]:
-    """Greedy answers to a batch of requests with the hooked features of every fed position:
-    per job (Sample of prompt + answer, features [len(tokens) - 1, n_layers*H])."""
+def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job], max_new_tokens: int,
+                           temperature: float = 0.0, seed: int = 0) -> list[tuple[Sample, torch.Tensor]]:
+    """Answers to a batch of requests with the hooked features of every fed position: per job
+    (Sample of prompt + answer, features [len(tokens) - 1, n_layers*H]). Greedy, but jobs of a
+    sampled source draw at `temperature`, from a generator seeded by `seed` and the batch's first
+    job, so a rerun of the recipe draws the same answers."""
     prompts = [encode_prompt(tokenizer, job.text) for job in jobs]
+    sampled = torch.tensor([job.source in SAMPLED_SOURCES for job in jobs], device=model.device)
+    generator = None
+    if bool(sampled.any()):
+        if temperature <= 0:
+            raise SpecFlashError(f"source(s) {', '.join(SAMPLED_SOURCES)} need a --temperature above 0")
+        key = hashlib.sha1(f"{seed}|{jobs[0].sample_id}".encode()).hexdigest()
+        generator = torch.Generator(model.device).manual_seed(int(key[:12], 16))
+
+    def pick(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """Next token per row: argmax, or a draw at `temperature` on the sampled rows."""
+        nxt = logits.argmax(-1)
+        rows = sampled[index]
+        if generator is not None and bool(rows.any()):
+            probs = torch.softmax(logits[rows].float() / temperature, dim=-1)
+            nxt[rows] = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        return nxt
+
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     width, device = max(map(len, prompts)), model.device
@@ -134,7 +166,7 @@ def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job],
     feats = hooks.take()
     rows = _Rows(list(range(len(jobs))), [[] for _ in jobs], [[feats[b, width - len(p):]] for b, p in enumerate(prompts)])
     done: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
-    nxt = out.logits[:, -1].argmax(-1)  # [B]
+    nxt = pick(out.logits[:, -1], rows.index)  # [B]
     for step in range(max_new_tokens):
         for r, token in enumerate(nxt.tolist()):
             if rows.index[r] in done:
@@ -159,7 +191,7 @@ def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job],
         for r, index in enumerate(rows.index):
             if index not in done:
                 rows.features[r].append(feats[r])
-        nxt = out.logits[:, -1].argmax(-1)
+        nxt = pick(out.logits[:, -1], rows.index)
     made = []
     for b, (job, prompt) in enumerate(zip(jobs, prompts)):
         answer, chunks = done[b]
@@ -184,9 +216,12 @@ def default_out(model_path: Path, settings: dict) -> Path:
 
 def _settings(args: argparse.Namespace) -> dict:
     """What must match for a folder to be resumed rather than mixed with other data."""
-    return {"format": 1, "model": args.model.resolve().name, "mode": "generate", "harvest": True, "seed": args.seed,
-            "max_new_tokens": args.max_new_tokens, "layer_ids": list(args.layers), "sources": list(args.sources),
-            "per_source": args.per_source}
+    settings = {"format": 1, "model": args.model.resolve().name, "mode": "generate", "harvest": True,
+                "seed": args.seed, "max_new_tokens": args.max_new_tokens, "layer_ids": list(args.layers),
+                "sources": list(args.sources), "per_source": args.per_source}
+    if set(args.sources) & set(SAMPLED_SOURCES):  # only then: greedy recipes keep their folder
+        settings["temperature"] = args.temperature
+    return settings
 
 
 def harvest(args: argparse.Namespace) -> dict:
@@ -219,7 +254,7 @@ def harvest(args: argparse.Namespace) -> dict:
         made: dict[str, tuple[Sample, torch.Tensor]] = {}
         for b in range(0, len(by_len), args.batch_size):
             for sample, feats in generate_with_features(model, tokenizer, hooks, by_len[b : b + args.batch_size],
-                                                        args.max_new_tokens):
+                                                        args.max_new_tokens, args.temperature, args.seed):
                 made[sample.sample_id] = (sample, feats)
                 report["tokens"] += len(sample.token_ids) - sample.prompt_len
             bar.update(min(args.batch_size, len(by_len) - b))
@@ -268,6 +303,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-source", type=int, default=DEFAULT_PER_SOURCE, help="jobs per templated or text source")
     p.add_argument("--limit", type=int, default=None, help="only the first N jobs of the recipe")
     p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help=f"sampling temperature of the sampled sources ({', '.join(SAMPLED_SOURCES)}); others are greedy")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--shard-size", type=int, default=256)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
