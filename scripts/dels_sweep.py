@@ -16,11 +16,10 @@ import json
 from pathlib import Path
 
 import specflash
+from specflash.bench import bench_prompts
 from specflash.metrics import per_position_acceptance
-from specflash.models.acquire import default_cache_dir
 from specflash.models.presets import default_drafter
-from specflash.prompts import DOMAINS, heldout_prompts
-from specflash.training.harvest import tuning_jobs
+from specflash.prompts import DOMAINS
 
 
 def main() -> None:
@@ -38,11 +37,7 @@ def main() -> None:
 
     target = specflash.load(args.model)
     drafter = args.drafter or default_drafter(args.model, "dflash", None)
-    if args.prompts == "heldout":
-        prompts = [(q.domain, q.id, q.text) for d in DOMAINS for q in heldout_prompts(d)[: args.prompts_per_domain]]
-    else:
-        jobs = tuning_jobs(args.prompts_per_domain, default_cache_dir())
-        prompts = [(j.domain, j.sample_id, j.text) for j in jobs]
+    prompts = bench_prompts(args.prompts, list(DOMAINS), args.prompts_per_domain)
     rows = []
     for alpha in [float(a) for a in args.alphas.split(",")]:
         for beta in [float(b) for b in args.betas.split(",")]:

@@ -110,18 +110,19 @@ def label_variants(names: list[str], per_method: dict[str, dict]) -> dict[str, t
     return variants
 
 
-def bench_prompts(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """(domain, prompt id, text) for the chosen prompt set, `prompts_per_domain` per domain."""
-    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
-    if args.prompts == "tuning":
+def bench_prompts(prompt_set: str, domains: list[str], per_domain: int,
+                  cache_dir: Path | None = None) -> list[tuple[str, str, str]]:
+    """(domain, prompt id, text), `per_domain` per domain, of the held-out prompts ("heldout")
+    or of the tuning requests ("tuning": harvest.tuning_jobs)."""
+    if prompt_set == "tuning":
         from .models.acquire import default_cache_dir
         from .training.harvest import tuning_jobs
 
-        jobs = tuning_jobs(args.prompts_per_domain, args.cache_dir or default_cache_dir())
+        jobs = tuning_jobs(per_domain, cache_dir or default_cache_dir())
         return [(j.domain, j.sample_id, j.text) for j in jobs if j.domain in domains]
     from .prompts import heldout_prompts
 
-    return [(q.domain, q.id, q.text) for d in domains for q in heldout_prompts(d)[: args.prompts_per_domain]]
+    return [(q.domain, q.id, q.text) for d in domains for q in heldout_prompts(d)[:per_domain]]
 
 
 def summarize_samples(samples: list[Sample], methods: list[str]) -> list[dict[str, Any]]:
@@ -197,7 +198,8 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             method_drafter = drafter if m == "draft" else args.drafter or default_drafter(args.model, m, args.cache_dir)
             runners[name] = _engine_runner(target, m, method_drafter, options, args.cache_dir)
-    prompts = bench_prompts(args)
+    prompts = bench_prompts(args.prompts, [d.strip() for d in args.domains.split(",") if d.strip()],
+                            args.prompts_per_domain, args.cache_dir)
     encoded = {pid: encode_prompt(target, text) for _, pid, text in prompts}
     names = list(runners)
     for name in names:  # warm-up: first forwards are several times slower

@@ -66,8 +66,6 @@ def test_bench_runs_labelled_variants_with_their_own_knobs(tiny_targets, tiny_di
 
 
 def test_bench_tuning_prompts_come_from_the_tuning_requests(monkeypatch, tmp_path):
-    import argparse
-
     from specflash import bench
     from specflash.training import harvest
     from specflash.training.sources import Job
@@ -76,5 +74,5 @@ def test_bench_tuning_prompts_come_from_the_tuning_requests(monkeypatch, tmp_pat
         return [Job(f"{d}-{i}", d, "src", f"{d} request {i}") for d in ("code", "math") for i in range(per_domain)]
 
     monkeypatch.setattr(harvest, "tuning_jobs", fake)
-    args = argparse.Namespace(prompts="tuning", domains="math", prompts_per_domain=2, cache_dir=tmp_path)
-    assert bench.bench_prompts(args) == [("math", "math-0", "math request 0"), ("math", "math-1", "math request 1")]
+    assert bench.bench_prompts("tuning", ["math"], 2, tmp_path) == [("math", "math-0", "math request 0"),
+                                                                    ("math", "math-1", "math request 1")]

@@ -56,19 +56,31 @@ class Progress:
     shards: list[str] = field(default_factory=list)  # this epoch's shards, in training order
 
 
-def shard_paths(data_dirs: Seq[Path], hold_out: Seq[str] = ()) -> list[Path]:
-    """Every finished shard of every data folder, in manifest order, but those whose file name is
-    in `hold_out`."""
-    paths = []
+def _shard_entries(data_dirs: Seq[Path], hold_out: Seq[str]) -> list[tuple[Path, dict]]:
+    """(folder, manifest entry) of every finished shard, in manifest order, but those whose file
+    name is in `hold_out`."""
+    entries = []
     for d in data_dirs:
         manifest = Path(d) / MANIFEST
         if not manifest.is_file():
             raise SpecFlashError(f"{d} has no {MANIFEST}; make data with python -m specflash.training.data")
-        paths += [Path(d) / s["file"] for s in json.loads(manifest.read_text(encoding="utf-8"))["shards"]
-                  if s["file"] not in hold_out]
+        entries += [(Path(d), s) for s in json.loads(manifest.read_text(encoding="utf-8"))["shards"]
+                    if s["file"] not in hold_out]
+    return entries
+
+
+def shard_paths(data_dirs: Seq[Path], hold_out: Seq[str] = ()) -> list[Path]:
+    """Every finished shard of every data folder, in manifest order, but those whose file name is
+    in `hold_out`."""
+    paths = [d / s["file"] for d, s in _shard_entries(data_dirs, hold_out)]
     if not paths:
         raise SpecFlashError("no finished shards in " + ", ".join(map(str, data_dirs)))
     return paths
+
+
+def recorded_hold_out(drafter: Path | str) -> list[str]:
+    """The shards a drafter folder's config says its training held out (none if it says nothing)."""
+    return read_config(drafter).get("specflash_training", {}).get("held_out", [])
 
 
 def add_hold_out_arg(p: argparse.ArgumentParser) -> None:
@@ -200,9 +212,7 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int, voca
 
 def _total_steps(args, data_dirs: Seq[Path]) -> int:
     """`--steps`, or enough steps for `--epochs` passes over every sample."""
-    samples = sum(len(s["ids"]) for d in data_dirs
-                  for s in json.loads((Path(d) / MANIFEST).read_text(encoding="utf-8"))["shards"]
-                  if s["file"] not in args.hold_out)
+    samples = sum(len(s["ids"]) for _, s in _shard_entries(data_dirs, args.hold_out))
     return args.steps or max(1, args.epochs * math.ceil(samples / args.seqs_per_step))
 
 
@@ -283,7 +293,7 @@ def train(args: argparse.Namespace) -> Progress:
     out = Path(args.out or Path(platformdirs.user_cache_dir("specflash")) / "train" / f"dflash-{args.name}")
     out.mkdir(parents=True, exist_ok=True)
     if args.init_from and not args.hold_out:  # what the starting drafter never saw, this one must not see either
-        args.hold_out = read_config(args.init_from).get("specflash_training", {}).get("held_out", [])
+        args.hold_out = recorded_hold_out(args.init_from)
     hf_model, tokenizer = load_target(Path(args.model), args.device, torch.float32)
     target = TargetModel(hf_model, tokenizer, name=str(Path(args.model).resolve()))
     model, opt, progress = init_or_resume(args, target, out)

@@ -12,9 +12,9 @@ q/k norms with no counterpart in the target (e.g. Llama) stay at one.
 
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+
+import torch
 
 from ..models.dflash import DFlashDrafter, DFlashSpec
 from ..models.target import TargetModel
@@ -35,12 +35,8 @@ def init_from_target(model: DFlashDrafter, target: TargetModel) -> list[int]:
     ids = source_layers(model, target.num_layers)
     for draft_layer, index in zip(model.layers, ids):
         source = target.layers[index]
-        for block, names in _PROJECTIONS:
-            for name in names:
-                _copy(getattr(getattr(draft_layer, block), name).weight, getattr(getattr(source, block), name).weight,
-                      f"layer {index} {block}.{name}")
-        for name in _NORMS:
-            _copy(getattr(draft_layer, name).weight, getattr(source, name).weight, f"layer {index} {name}")
+        for mine, theirs, what in _layer_pairs(draft_layer, source):
+            _copy(mine, theirs, f"layer {index} {what}")
         for name in ("q_norm", "k_norm"):
             theirs = getattr(source.self_attn, name, None)
             if theirs is not None:
@@ -50,6 +46,13 @@ def init_from_target(model: DFlashDrafter, target: TargetModel) -> list[int]:
     model.fc.weight[:, deepest * h : (deepest + 1) * h] += torch.eye(h)
     model.hidden_norm.weight.copy_(model.layers[0].input_layernorm.weight)
     return ids
+
+
+def _layer_pairs(draft_layer, source) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """(draft weight, target weight, name) of every projection and norm the two layers share."""
+    pairs = [(getattr(getattr(draft_layer, block), name).weight, getattr(getattr(source, block), name).weight,
+              f"{block}.{name}") for block, names in _PROJECTIONS for name in names]
+    return pairs + [(getattr(draft_layer, name).weight, getattr(source, name).weight, name) for name in _NORMS]
 
 
 def _copy(mine: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
@@ -83,12 +86,10 @@ def grow_from(model: DFlashDrafter, tensors: dict[str, torch.Tensor], target: Ta
     new = [i for i in range(model.spec.num_layers) if i not in shallow]
     for i in new:
         draft_layer, source = model.layers[i], target.layers[ids[i]]
-        pairs = [(getattr(getattr(draft_layer, block), proj).weight, getattr(getattr(source, block), proj).weight)
-                 for block, names in _PROJECTIONS for proj in names]
-        pairs += [(getattr(draft_layer, norm).weight, getattr(source, norm).weight) for norm in _NORMS]
-        if all(mine.shape == theirs.shape for mine, theirs in pairs):
-            for mine, theirs in pairs:
-                mine.copy_(theirs.to(mine.dtype))
+        pairs = _layer_pairs(draft_layer, source)
+        if all(mine.shape == theirs.shape for mine, theirs, _ in pairs):
+            for mine, theirs, what in pairs:
+                _copy(mine, theirs, what)
         draft_layer.self_attn.o_proj.weight.zero_()
         draft_layer.mlp.down_proj.weight.zero_()
         kept.update({f"layers.{i}.{k}": v for k, v in draft_layer.state_dict().items()})

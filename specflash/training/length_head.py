@@ -28,12 +28,12 @@ from tqdm import tqdm
 
 from ..errors import SpecFlashError
 from ..models.dflash import DFlashDrafter
-from ..models.dflash_io import D2T_FILE, read_config
+from ..models.dflash_io import D2T_FILE
 from ..models.length_head import LengthHead, length_labels, save_length_head, verify_len
 from ..models.presets import portable_path
 from ..models.target import TargetModel
 from .data import read_shard
-from .dflash import shard_paths
+from .dflash import recorded_hold_out, shard_paths
 from .dflash_features import shard_features
 from .entry import run_script
 from .dflash_objective import block_forward, block_labels, leading_correct, make_sequence, sample_anchors
@@ -123,7 +123,7 @@ def pick_shards(args: argparse.Namespace) -> tuple[list[Path], bool]:
     from ..drafters.dflash import drafter_folder
 
     every = shard_paths(args.data)
-    held = read_config(drafter_folder(str(args.drafter))).get("specflash_training", {}).get("held_out", [])
+    held = recorded_hold_out(drafter_folder(str(args.drafter)))
     unseen = [p for p in every if p.name in held]
     if unseen:
         return unseen[: args.max_shards], True
