@@ -2,8 +2,9 @@
 cache, and the hidden features a DFlash drafter reads are captured during that same generation.
 
 Why: a drafter learns to predict the *target*, so its data is the target's own greedy answers
-(and, from the `prompts-sampled` source, several answers per train prompt drawn at a temperature,
-for variety), and its inputs are the target's hidden states at every position. Capturing them while generating
+(the `prompts-sampled` source draws several answers per train prompt at a temperature, for
+variety; the `self-prompts` source's requests are written by the target itself, self_prompts.py),
+and its inputs are the target's hidden states at every position. Capturing them while generating
 (forward hooks on the chosen layers, at the prefill and at every decode step) saves the second
 teacher-forced pass over each sequence that `dflash_features.py` would otherwise need.
 
@@ -26,7 +27,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from transformers import DynamicCache
 
 from ..errors import SpecFlashError
 from ..prompts import training_prompts
+from . import self_prompts as self_prompt_source
 from . import sources, task_sources
 from .data import Sample, _eos_ids, _start_manifest, append_shard, encode_prompt, load_target
 from .entry import run_script
@@ -50,8 +52,14 @@ FEATURES_SUFFIX = ".features.safetensors"
 DEFAULT_PER_SOURCE = 2000
 
 
-def recipe_jobs(seed: int, per_source: int, names: Sequence[str], cache: Path) -> list[Job]:
-    """Every job of the recipe, interleaved round-robin across sources so any prefix mixes them."""
+def recipe_jobs(seed: int, per_source: int, names: Sequence[str], cache: Path,
+                self_prompts: Callable[[], list[Job]] | None = None) -> list[Job]:
+    """Every job of the recipe, interleaved round-robin across sources so any prefix mixes them.
+    `self_prompts` makes the `self-prompts` source's requests (they need the target to write them)."""
+
+    def no_target() -> list[Job]:
+        raise SpecFlashError(f"source {self_prompt_source.SOURCE} is written by the target: only a harvest can make it")
+
     makers = {
         "prompts": lambda: [Job(p.id, p.domain, "prompts", p.text) for p in training_prompts()],
         "prompts-sampled": lambda: sampled_prompt_jobs(per_source),
@@ -61,6 +69,7 @@ def recipe_jobs(seed: int, per_source: int, names: Sequence[str], cache: Path) -
         "stdlib": lambda: sources.stdlib_jobs(per_source, seed),
         "shakespeare": lambda: sources.shakespeare_jobs(per_source, seed, cache),
         "arithmetic": lambda: sources.arithmetic_jobs(per_source, seed),
+        self_prompt_source.SOURCE: self_prompts or no_target,
     }
     unknown = [n for n in names if n not in makers]
     if unknown:
@@ -230,17 +239,27 @@ def harvest(args: argparse.Namespace) -> dict:
     out = args.out or default_out(args.model, settings)
     out.mkdir(parents=True, exist_ok=True)
     manifest = _start_manifest(out, settings)
-    cache = Path(platformdirs.user_cache_dir("specflash")) / "corpora"
-    jobs = recipe_jobs(args.seed, args.per_source, args.sources, cache)[: args.limit]
-    done = {sid for shard in manifest["shards"] for sid in shard["ids"]}
-    todo = [job for job in jobs if job.sample_id not in done]
     report = {"out": str(out), "made": 0, "tokens": 0, "seconds": 0.0}
     if args.summary:
         print(summary(out))
         return report
+    cache = Path(platformdirs.user_cache_dir("specflash")) / "corpora"
+    model = tokenizer = None
+    write_prompts = None
+    if self_prompt_source.SOURCE in args.sources:
+        model, tokenizer = load_target(args.model, args.device, torch.float32)
+
+        def write_prompts() -> list[Job]:
+            with tqdm(total=args.per_source, unit="request", desc="self-prompts") as bar:
+                return self_prompt_source.self_prompt_jobs(model, tokenizer, args.per_source, args.seed,
+                                                           out / "self-prompts.jsonl", progress=bar.update)
+    jobs = recipe_jobs(args.seed, args.per_source, args.sources, cache, write_prompts)[: args.limit]
+    done = {sid for shard in manifest["shards"] for sid in shard["ids"]}
+    todo = [job for job in jobs if job.sample_id not in done]
     if not todo:
         return report
-    model, tokenizer = load_target(args.model, args.device, torch.float32)
+    if model is None:
+        model, tokenizer = load_target(args.model, args.device, torch.float32)
     bad = [i for i in args.layers if not 0 <= i < model.config.num_hidden_layers]
     if bad:
         raise SpecFlashError(f"--layers {bad} out of range: the target has {model.config.num_hidden_layers} layers")
