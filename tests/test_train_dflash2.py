@@ -267,6 +267,35 @@ def test_dflash_trainer_grows_a_shallower_drafter(setup, tmp_path):
     assert run.output_ids == ar.output_ids
 
 
+def test_drafter_starts_from_the_targets_next_layers(setup):
+    """`--init target`: each draft layer is a copy of the target layer after the deepest feature
+    layer, `fc` passes that layer's features through (plus a tenth of its random start), and a
+    drafter whose shapes differ from the target's is refused by name."""
+    from specflash.training.dflash_init import init_from_target, source_layers
+
+    _, target, _ = setup
+    cfg = target.config
+    like_target = dict(block=8, feature_layers=(0,), num_heads=cfg.num_attention_heads,
+                       num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                       intermediate_size=cfg.intermediate_size)
+    model = new_drafter(make_spec(target, layers=1, **like_target), target)
+    before = model.fc.weight.detach().clone()
+    assert init_from_target(model, target) == source_layers(model, target.num_layers) == [1]
+    source = target.layers[1]
+    for block, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+        for name in names:
+            assert torch.equal(getattr(getattr(model.layers[0], block), name).weight,
+                               getattr(getattr(source, block), name).weight.float())
+    assert torch.equal(model.layers[0].input_layernorm.weight, source.input_layernorm.weight.float())
+    assert torch.equal(model.hidden_norm.weight, source.input_layernorm.weight.float())
+    h = target.hidden_size
+    assert torch.allclose(model.fc.weight, 0.1 * before + torch.eye(h))
+
+    narrow = new_drafter(make_spec(target, layers=1, **{**like_target, "intermediate_size": 24}), target)
+    with pytest.raises(ValueError, match=r"layer 1 mlp.gate_proj has shape"):
+        init_from_target(narrow, target)
+
+
 def test_held_out_shards_are_never_trained_on_and_feed_the_length_head(setup, tmp_path, monkeypatch):
     """`--hold-out`: the loop never opens the shard, the export records it, a run continued from
     that export inherits it, and the length head fits on exactly that unseen shard."""
