@@ -19,6 +19,7 @@ from .drafters import Drafter, build_drafter
 from .engine import Decoding
 from .errors import EmptyPromptError, SamplingConfigError
 from .metrics import summarize
+from .models.acquire import default_cache_dir
 from .models.presets import default_drafter
 from .models.target import TargetModel
 from .trace import RunRecord, StepRecord
@@ -46,7 +47,9 @@ def load(
 
     device = device or default_device()
     hf_model, tokenizer = load_causal_lm(model, device=device, dtype=dtype or default_dtype(device), cache_dir=cache_dir)
-    return TargetModel(hf_model, tokenizer, name=model)
+    target = TargetModel(hf_model, tokenizer, name=model)
+    target.tune_row_kernels(cache_dir or default_cache_dir())
+    return target
 
 
 def encode_prompt(target: TargetModel, prompt: str | list[int], raw: bool = False) -> list[int]:

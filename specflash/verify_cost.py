@@ -66,7 +66,8 @@ def cached_verify_cost(target, max_len: int, cache_dir: Path | None, batch: int 
     if cache_dir is None:
         return monotone(measure_verify_cost(target, max_len, batch=batch))
     suffix = "" if batch == 1 else f"-b{batch}"
-    key = f"{Path(str(target.name)).name}-{target.device.type}-{str(target.dtype).split('.')[-1]}{suffix}.json"
+    key = (f"{Path(str(target.name)).name}-{target.device.type}-{str(target.dtype).split('.')[-1]}"
+           f"{target.kernel_tag}{suffix}.json")
     path = Path(cache_dir) / "verify-cost" / key
     if path.exists():
         curve = json.loads(path.read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -17,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..errors import UnsupportedModelError
 from ..kv import Checkpoint, checkpoint, keep_rows, new_cache, restore
 from ..tree import DraftTree
+from . import row_kernels
 from .family import MODEL_ERRORS, Family
 
 
@@ -48,6 +50,7 @@ class TargetModel:
     name: str = ""
     _captured: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _hooked: tuple[int, ...] = field(default=(), repr=False)
+    weight_left_rows: frozenset[int] = field(default=frozenset(), repr=False)  # row_kernels.py
 
     def __post_init__(self) -> None:
         self.model.eval()
@@ -134,6 +137,21 @@ class TargetModel:
                 f"top of a cache (transformers' {type(self.model).__name__} cannot continue a state over a block), "
                 "so no draft can be verified on it; use ar"
             )
+
+    def tune_row_kernels(self, cache_dir: Path | None) -> frozenset[int]:
+        """Pick, by measurement (cached under `cache_dir`), the matmul kernel of each few-row
+        forward (row_kernels.py); attention-only models on CPU in float32, else nothing."""
+        if self.family.recurrent or not row_kernels.applies(self.model):
+            return frozenset()
+        key = f"{Path(str(self.name)).name}-{self.device.type}-{str(self.dtype).split('.')[-1]}"
+        self.weight_left_rows = row_kernels.tune(self.model, self.vocab_size, key, cache_dir)
+        return self.weight_left_rows
+
+    @property
+    def kernel_tag(self) -> str:
+        """Names the row-kernel choice in caches of timings that depend on it ("" when stock)."""
+        rows = sorted(self.weight_left_rows)
+        return f"-wl{'.'.join(map(str, rows))}" if rows else ""
 
     def checkpoint(self, cache: DynamicCache) -> Checkpoint | None:
         """What `keep` needs to undo a verification forward: recurrent states cannot be cropped,

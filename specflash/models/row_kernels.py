@@ -1,0 +1,116 @@
+"""Matrix-multiply kernels for the few-row forwards of decoding on a CPU, chosen by measurement.
+
+Why: every decoding step is a forward of 1 row (plain decoding) or a handful (verifying a
+draft), and a small target streams all of its weights from memory on each one. PyTorch computes
+a linear layer as x @ W^T: one row goes to a matrix-vector kernel, a few rows to a general GEMM
+that repacks the (large) weight matrix on every call. On this project's 2-core CPU, SmolLM2-135M
+paid 1.6x a one-token forward for two tokens and 2x for three, while the same products computed
+the other way round, W @ x^T (the weight as the left operand, which the GEMM streams without
+repacking), cost 0.8x and 0.95x: cheaper than the one-token forward itself, whose matrix-vector
+kernel left one core idle. Which way wins depends on the machine, the thread count and the row
+count, so it is measured for the loaded model and cached, per row count; the choice applies to
+every method alike, plain decoding included (a single row is then fed as two identical rows),
+so speed-ups stay measured against the fastest plain decoding this runtime has.
+
+Only the kernel changes: each output row is the same dot products, summed in another order, so
+logits differ from the stock path by float rounding (about 1e-4 on SmolLM2), as they already
+do between a one-row and a many-row forward. Installed on CPU float32 models only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 16  # above this a forward is a prefill or a batch, where the stock GEMM is right
+
+
+class RowKernelLinear(torch.nn.Linear):
+    """nn.Linear that computes W @ x^T for the row counts in `weight_left_rows` (shared by all
+    layers of one model)."""
+
+    weight_left_rows: frozenset[int] = frozenset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.dim() else 1
+        if rows not in self.weight_left_rows:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])
+        if rows == 1:
+            flat = torch.cat([flat, flat])  # a GEMM needs two rows; the copy's result is dropped
+        out = torch.mm(self.weight, flat.t()).t()[:rows]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def install(model: torch.nn.Module, weight_left_rows: frozenset[int]) -> int:
+    """Route the model's plain nn.Linear layers through RowKernelLinear with this choice; returns
+    how many layers it covers. The weights are not copied."""
+    layers = [m for m in model.modules() if type(m) in (torch.nn.Linear, RowKernelLinear)]
+    for layer in layers:
+        layer.__class__ = RowKernelLinear
+        layer.weight_left_rows = frozenset(weight_left_rows)
+    return len(layers)
+
+
+def applies(model: torch.nn.Module) -> bool:
+    """CPU float32 weights: where the measured difference was found and the cost is only rounding."""
+    weight = next(model.parameters(), None)
+    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+@torch.inference_mode()
+def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, repeats: int = 5,
+            prefix_len: int = 64) -> dict[str, list[float]]:
+    """Seconds of a forward of n = 1..max_rows tokens on top of a `prefix_len` cache, each way
+    (medians over `repeats`, after one warm-up), as {"stock": [...], "weight_left": [...]}."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    prefix = torch.tensor([[(10 + i) % vocab_size for i in range(prefix_len)]], device=device)
+    result: dict[str, list[float]] = {}
+    for name in ("stock", "weight_left"):
+        install(model, frozenset(range(1, max_rows + 1)) if name == "weight_left" else frozenset())
+        cache = DynamicCache()
+        model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+        medians = []
+        for n in range(1, max_rows + 1):
+            block = torch.tensor([[(20 + i) % vocab_size for i in range(n)]], device=device)
+            positions = torch.arange(prefix_len, prefix_len + n, device=device)[None]
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                model(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
+                times.append(time.perf_counter() - t0)
+                cache.crop(-n)
+            medians.append(sorted(times[1:])[len(times[1:]) // 2])
+        result[name] = medians
+    return result
+
+
+def choose(timings: dict[str, list[float]], margin: float = 0.95) -> frozenset[int]:
+    """Row counts where W @ x^T took under `margin` of the stock time (noise stays stock)."""
+    return frozenset(n for n, (stock, left) in enumerate(zip(timings["stock"], timings["weight_left"]), 1)
+                     if left < margin * stock)
+
+
+def tune(model: torch.nn.Module, vocab_size: int, key: str, cache_dir: Path | None) -> frozenset[int]:
+    """Measure (or read from `cache_dir/row-kernels/<key>.json`) and install the choice."""
+    if not applies(model):
+        return frozenset()
+    path = Path(cache_dir) / "row-kernels" / f"{key}-t{torch.get_num_threads()}.json" if cache_dir else None
+    if path is not None and path.exists():
+        timings = json.loads(path.read_text())
+    else:
+        timings = measure(model, vocab_size)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(timings))
+    chosen = choose(timings)
+    install(model, chosen)
+    return chosen

@@ -1,0 +1,97 @@
+"""Few-row matmul kernels: W @ x^T gives F.linear's numbers up to rounding, installing it copies
+no weight, the choice follows the measured timings (cached), and decoding through it stays
+lossless: every method equals plain greedy decoding on the same runtime, which equals the stock
+kernels' greedy decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import LOSSLESS_ARCHS, hf_greedy, load_target
+from specflash.api import generate
+from specflash.config import DraftModelConfig, PromptLookupConfig
+from specflash.drafters.draft_model import DraftModelDrafter
+from specflash.drafters.prompt_lookup import PromptLookupDrafter
+from specflash.models import row_kernels
+from specflash.verify_cost import cached_verify_cost
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef", "The quick brown fox jumps over the lazy dog. The quick"]
+ALL_ROWS = frozenset(range(1, row_kernels.MAX_ROWS + 1))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 24), (3, 24), (1, 5, 24), (2, 7, 24), (40, 24)])
+def test_weight_left_product_is_linear_up_to_rounding(shape, bias):
+    layer = torch.nn.Linear(24, 40, bias=bias)
+    x = torch.randn(*shape)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert row_kernels.install(layer, ALL_ROWS) == 1
+    weight = layer.weight
+    got = layer(x)
+    assert layer.weight is weight and isinstance(layer, row_kernels.RowKernelLinear)
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_choice_keeps_only_clear_wins():
+    timings = {"stock": [1.0, 1.6, 2.0, 1.5], "weight_left": [0.6, 0.84, 1.97, 1.6]}
+    assert row_kernels.choose(timings) == frozenset({1, 2})  # row 3 is within noise, row 4 slower
+
+
+def test_tune_measures_once_per_machine_then_reads_the_cache(tiny_dirs, tmp_path, monkeypatch):
+    target = load_target(tiny_dirs["llama"])
+    calls = []
+    real = row_kernels.measure
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(row_kernels, "measure", counted)
+    first = target.tune_row_kernels(tmp_path)
+    (saved,) = (tmp_path / "row-kernels").iterdir()
+    timings = json.loads(saved.read_text())
+    assert len(timings["stock"]) == len(timings["weight_left"]) == row_kernels.MAX_ROWS
+    assert first == row_kernels.choose(timings)
+    again = load_target(tiny_dirs["llama"]).tune_row_kernels(tmp_path)
+    assert again == first and len(calls) == 1
+    assert all(type(m) is row_kernels.RowKernelLinear for m in target.model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_half_precision_and_recurrent_models_keep_the_stock_kernels(tiny_dirs, family_target, tmp_path):
+    half = load_target(tiny_dirs["llama"])
+    half.model.to(torch.bfloat16)
+    assert half.tune_row_kernels(tmp_path) == frozenset() and half.kernel_tag == ""
+    assert not any(type(m) is row_kernels.RowKernelLinear for m in half.model.modules())
+    hybrid = family_target("qwen3_5")
+    assert hybrid.tune_row_kernels(tmp_path) == frozenset()
+
+
+def test_the_kernel_choice_keys_the_verify_cost_cache(tiny_dirs, tmp_path):
+    target = load_target(tiny_dirs["llama"])
+    cached_verify_cost(target, 3, tmp_path)
+    target.weight_left_rows = frozenset({1, 2})
+    row_kernels.install(target.model, target.weight_left_rows)
+    cached_verify_cost(target, 3, tmp_path)
+    names = sorted(p.name for p in (tmp_path / "verify-cost").iterdir())
+    assert len(names) == 2 and any("-wl1.2" in n for n in names)
+
+
+@pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
+def test_decoding_through_the_weight_left_kernels_is_lossless(tiny_dirs, arch):
+    stock = load_target(tiny_dirs[arch])
+    target = load_target(tiny_dirs[arch])
+    row_kernels.install(target.model, ALL_ROWS)
+    target.weight_left_rows = ALL_ROWS
+    for prompt, n in zip(PROMPTS, (24, 32)):
+        ids = target.tokenizer(prompt).input_ids
+        ref = hf_greedy(stock, ids, n)
+        assert generate(target, ids, "ar", max_new_tokens=n).output_ids == ref
+        for drafter in (PromptLookupDrafter(PromptLookupConfig(k=5, max_ngram=3)),
+                        DraftModelDrafter(target.model, DraftModelConfig(k=4), target.vocab_size)):
+            run = generate(target, ids, "ar", max_new_tokens=n, drafter=drafter)
+            assert run.output_ids == ref, f"{arch}: {type(drafter).__name__} diverged on {prompt!r}"
