@@ -36,7 +36,7 @@ class RowKernelLinear(torch.nn.Linear):
     weight_left_rows: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.dim() else 1
+        rows = x.numel() // x.shape[-1]
         if rows not in self.weight_left_rows:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
