@@ -95,3 +95,28 @@ def test_decoding_through_the_weight_left_kernels_is_lossless(tiny_dirs, arch):
                         DraftModelDrafter(target.model, DraftModelConfig(k=4), target.vocab_size)):
             run = generate(target, ids, "ar", max_new_tokens=n, drafter=drafter)
             assert run.output_ids == ref, f"{arch}: {type(drafter).__name__} diverged on {prompt!r}"
+
+
+@pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
+def test_a_dflash_drafter_loads_with_the_targets_kernels_and_stays_lossless(tiny_dirs, tmp_path, arch):
+    from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, load_dflash_model
+    from specflash.models.dflash_io import load_drafter, save_drafter
+    from test_draft_vocab import spread_ids, vocab_drafter
+
+    stock = load_target(tiny_dirs[arch])
+    target = load_target(tiny_dirs[arch])
+    row_kernels.install(target.model, ALL_ROWS)
+    target.weight_left_rows = ALL_ROWS
+    save_drafter(vocab_drafter(target, spread_ids(target, 60), feature_layers=(1, 0)), tmp_path)
+    model, plain = load_dflash_model(target, str(tmp_path), "dflash"), load_drafter(tmp_path, target)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is row_kernels.RowKernelLinear for m in linears)
+    assert all(m.weight_left_rows == ALL_ROWS for m in linears) and model.weight_left_rows == ALL_ROWS
+    hidden = torch.randn(7, target.hidden_size)
+    assert torch.allclose(model.draft_logits(hidden), plain.draft_logits(hidden), atol=1e-5, rtol=1e-5)
+    drafter = DFlashEngineDrafter(model, DFlashConfig(gate=False))
+    for prompt, n in zip(PROMPTS, (24, 32)):
+        ids = target.tokenizer(prompt).input_ids
+        run = generate(target, ids, max_new_tokens=n, drafter=drafter, stop_on_eos=False)
+        assert run.output_ids == hf_greedy(stock, ids, n)
+        assert sum(len(s.tokens) for s in run.steps) > 0

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, MethodConfigError
+from ..models import row_kernels
 from ..models.dflash import DFlashCache, DFlashDrafter
 from ..tree import DraftTree
 from .base import Draft, Drafter
@@ -204,4 +205,8 @@ def load_dflash_model(target, drafter: str | None, method: str) -> DFlashDrafter
             f"method {method!r} needs a DFlash drafter: pass --drafter PATH (a DFlash checkpoint for this "
             "target); the smollm2-135m preset ships one"
         )
-    return load_drafter(drafter_folder(str(drafter)), target)
+    model = load_drafter(drafter_folder(str(drafter)), target)
+    if row_kernels.applies(model):  # the drafter's few-row forwards take the target's measured kernels
+        row_kernels.install(model, target.weight_left_rows)
+        model.weight_left_rows = frozenset(target.weight_left_rows)
+    return model

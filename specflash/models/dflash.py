@@ -30,6 +30,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from . import row_kernels
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -227,7 +229,12 @@ class DFlashDrafter(nn.Module):
 
     With `draft_ids` (a reduced draft vocabulary: sorted target ids [N]), the head computes only
     those N rows of the target's LM head and every other token gets logit -inf (q = 0), so
-    drafting costs N/V of the full head and verification stays exact."""
+    drafting costs N/V of the full head and verification stays exact.
+
+    `weight_left_rows`: row counts whose products run as W @ x^T (models/row_kernels.py), set
+    when the drafter is loaded for a target that measured them."""
+
+    weight_left_rows: frozenset[int] = frozenset()
 
     def __init__(self, spec: DFlashSpec, embed: nn.Module, lm_head: nn.Module,
                  draft_ids: torch.Tensor | None = None) -> None:
@@ -276,7 +283,8 @@ class DFlashDrafter(nn.Module):
         if getattr(self, "_draft_head", (None,))[0] != key:
             self._draft_head = (key, weight[self.draft_ids].detach())
         bias = getattr(self._borrowed[1], "bias", None)
-        return F.linear(hidden, self._draft_head[1], None if bias is None else bias[self.draft_ids])
+        return row_kernels.linear(hidden, self._draft_head[1], None if bias is None else bias[self.draft_ids],
+                                  self.weight_left_rows)
 
     def _rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits [..., K] of the LM head rows `ids` [K]."""

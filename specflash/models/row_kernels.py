@@ -36,16 +36,22 @@ class RowKernelLinear(torch.nn.Linear):
     weight_left_rows: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows not in self.weight_left_rows:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1])
-        if rows == 1:
-            flat = torch.cat([flat, flat])  # a GEMM needs two rows; the copy's result is dropped
-        out = torch.mm(self.weight, flat.t()).t()[:rows]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return linear(x, self.weight, self.bias, self.weight_left_rows)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           weight_left_rows: frozenset[int]) -> torch.Tensor:
+    """F.linear, computed as W @ x^T when x's row count is in `weight_left_rows`."""
+    rows = x.numel() // x.shape[-1]
+    if rows not in weight_left_rows:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        flat = torch.cat([flat, flat])  # a GEMM needs two rows; the copy's result is dropped
+    out = torch.mm(weight, flat.t()).t()[:rows]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def install(model: torch.nn.Module, weight_left_rows: frozenset[int]) -> int:

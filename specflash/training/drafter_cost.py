@@ -5,7 +5,8 @@ verify-cost curve is steep here), and the LM head over the full vocabulary is mo
 drafter's cost. Both figures come from the engine's own trace records, on the same held-out
 prompts, side by side: the median `verify_time` of plain decoding's steps and the median
 `draft_time` of DFlash's steps (drafting every step, no gate), with the drafter's draft
-vocabulary and, for comparison, with the target's full LM head.
+vocabulary and, for comparison, with the target's full LM head and with PyTorch's stock
+matmuls in place of the row kernels the target measured (models/row_kernels.py).
 
     python -m specflash.training.drafter_cost --model smollm2-135m --drafter FOLDER [--out cost.json]
 """
@@ -26,17 +27,20 @@ from .entry import run_script
 
 
 def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: int = 32) -> dict[str, float]:
-    """Median milliseconds of a target step and of a drafter block (draft and full vocabulary)."""
+    """Median milliseconds of a target step and of a drafter block (as the engine loads it; with
+    stock matmuls; with the full vocabulary)."""
     from ..api import encode_prompt, generate
-    from ..drafters.dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder
+    from ..drafters.dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder, load_dflash_model
     from ..models.dflash_io import load_drafter
 
-    model = load_drafter(drafter_folder(drafter), target)
-    full = load_drafter(drafter_folder(drafter), target)
+    model = load_dflash_model(target, drafter, "drafter_cost")
+    stock = load_drafter(drafter_folder(drafter), target)
+    full = load_dflash_model(target, drafter, "drafter_cost")
     full.draft_ids = None
     engines = {"draft_vocab": DFlashEngineDrafter(model, DFlashConfig(gate=False)),
+               "stock_kernels": DFlashEngineDrafter(stock, DFlashConfig(gate=False)),
                "full_vocab": DFlashEngineDrafter(full, DFlashConfig(gate=False))}
-    times: dict[str, list[float]] = {"target_step": [], "draft_vocab": [], "full_vocab": []}
+    times: dict[str, list[float]] = {"target_step": [], **{name: [] for name in engines}}
     prompts = [p for d in DOMAINS for p in heldout_prompts(d)[:prompts_per_domain]]
     for prompt in prompts:  # interleaved, so machine noise hits every column alike
         ids = encode_prompt(target, prompt.text)
@@ -49,6 +53,9 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
     vocab = len(model.draft_ids) if model.draft_ids is not None else target.vocab_size
     return {"target_step_ms": ms["target_step"], "block_ms": ms["draft_vocab"], "block_full_vocab_ms": ms["full_vocab"],
             "block_fraction": ms["draft_vocab"] / ms["target_step"],
+            "block_stock_kernels_ms": ms["stock_kernels"],
+            "block_stock_kernels_fraction": ms["stock_kernels"] / ms["target_step"],
+            "row_kernel_rows": sorted(target.weight_left_rows),
             "block_full_vocab_fraction": ms["full_vocab"] / ms["target_step"],
             "draft_vocab_size": vocab, "samples": len(times["target_step"]), "threads": torch.get_num_threads()}
 
@@ -71,6 +78,8 @@ def report(args: argparse.Namespace) -> dict:
                      args.max_new_tokens)
     print(f"target step {result['target_step_ms']:.1f} ms | drafter block {result['block_ms']:.1f} ms "
           f"({100 * result['block_fraction']:.0f}% of a step, {result['draft_vocab_size']} draft tokens) | "
+          f"stock matmuls {result['block_stock_kernels_ms']:.1f} ms "
+          f"({100 * result['block_stock_kernels_fraction']:.0f}%) | "
           f"with the full LM head {result['block_full_vocab_ms']:.1f} ms ({100 * result['block_full_vocab_fraction']:.0f}%)")
     if args.out:
         args.out.write_text(json.dumps({"model": args.model, "drafter": Path(args.drafter).name, **result}, indent=1) + "\n")
