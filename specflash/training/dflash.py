@@ -94,12 +94,20 @@ def _order(n: int, seed: int, *salt: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def learning_rate(args: argparse.Namespace, step: int, total: int) -> float:
-    """Linear warmup over `--warmup` of the steps, then cosine down to 10% of `--lr`."""
+def learning_rate(args: argparse.Namespace, step: int, total: int, seconds: float = 0.0) -> float:
+    """Linear warmup over `--warmup` of the steps, then cosine down to 10% of `--lr`.
+
+    With `--minutes`, the decay follows whichever is further along, the steps or the clock
+    (`seconds` trained so far), so a run that the clock stops (a GPU lease, a session's end) still
+    ends at the low rate instead of being cut at a high one."""
     warm = max(1, int(args.warmup * total))
     if step < warm:
         return args.lr * (step + 1) / warm
-    t = min(1.0, (step - warm) / max(1, total - warm))
+    t = (step - warm) / max(1, total - warm)
+    minutes = getattr(args, "minutes", None)
+    if minutes:
+        t = max(t, seconds / (minutes * 60))
+    t = min(1.0, t)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
@@ -200,7 +208,7 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int, voca
         return {}
     loss = sum(s.loss for s in stats) / total_w
     for group in opt.param_groups:
-        group["lr"] = learning_rate(args, progress.step, total)
+        group["lr"] = learning_rate(args, progress.step, total, progress.seconds)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

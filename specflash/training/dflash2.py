@@ -132,7 +132,7 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int) -> d
     loss, stats = combine(terms, unary_weight) if terms else (None, {})
     if loss is None:
         return {}
-    scale = learning_rate(args, progress.step, total) / args.lr
+    scale = learning_rate(args, progress.step, total, progress.seconds) / args.lr
     for group in opt.param_groups:
         group["lr"] = group["peak_lr"] * scale
     opt.zero_grad(set_to_none=True)

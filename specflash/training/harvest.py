@@ -205,7 +205,7 @@ def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job],
     for b, (job, prompt) in enumerate(zip(jobs, prompts)):
         answer, chunks = done[b]
         sample = Sample(prompt + answer, len(prompt), job.domain, job.source, job.sample_id)
-        made.append((sample, torch.cat(chunks)))  # the last answer token was never fed
+        made.append((sample, torch.cat(chunks).cpu()))  # the last answer token was never fed
     return made
 
 
