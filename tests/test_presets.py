@@ -129,3 +129,22 @@ def test_unknown_hub_id_fails_fast(monkeypatch):
     with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
         load_causal_lm("no-such-org/no-such-model-xyz")
     assert time.perf_counter() - start < 5.0
+
+
+def test_a_transformers_that_ignores_cache_is_refused_at_load(tiny_root: Path, monkeypatch):
+    """Older transformers take the KV cache as `past_key_values` and swallow `cache=`: loading
+    must refuse such a model instead of decoding every step without its context."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
+
+    from specflash.errors import SpecFlashError
+    from specflash.models.loading import check_cache_keyword
+
+    model, _ = load_causal_lm("tiny-qwen3", cache_dir=tiny_root)
+    check_cache_keyword(model)  # the pinned transformers: accepted
+
+    def old_forward(self, input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "forward", old_forward)
+    with pytest.raises(SpecFlashError, match="does not take the KV cache as `cache=`"):
+        load_causal_lm("tiny-qwen3", cache_dir=tiny_root)

@@ -8,14 +8,16 @@ of retrying downloads for most of a minute.
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..errors import CheckpointError, ModelNotFoundError
+from ..errors import CheckpointError, ModelNotFoundError, SpecFlashError
 from .presets import PRESETS, resolve_target
 
 # "org/name" or "name": letters, digits, '-', '_', '.'; never a path with more than one part.
@@ -43,9 +45,25 @@ def _check_folder(path: Path) -> None:
     raise ModelNotFoundError(problem)
 
 
+def check_cache_keyword(model: PreTrainedModel) -> None:
+    """Raise unless the model's forward takes the KV cache as `cache=`, the name SpecFlash passes.
+
+    Why: transformers releases before the one in requirements.txt name it `past_key_values` and
+    swallow an unknown `cache=` into their **kwargs, so every cached step would silently run
+    without its context (seen on a GPU host with transformers 5.17: a right first token, then
+    '-----' to the end of every answer)."""
+    if "cache" not in inspect.signature(model.forward).parameters:
+        raise SpecFlashError(
+            f"transformers {transformers.__version__} does not take the KV cache as `cache=` "
+            f"({type(model).__name__}.forward), so cached decoding would ignore it; install the "
+            "transformers version pinned in requirements.txt"
+        )
+
+
 def _load(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model and tokenizer from a folder or the local hub cache; never from the network."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
+    check_cache_keyword(model)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     return model, tokenizer
 

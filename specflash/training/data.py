@@ -35,6 +35,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specflash.errors import ModelNotFoundError, SpecFlashError
+from specflash.models.loading import check_cache_keyword
 from specflash.prompts import training_prompts
 from specflash.training import sources
 from specflash.training.sources import Job
@@ -221,6 +222,7 @@ def load_target(path: Path, device: str, dtype: torch.dtype):
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    check_cache_keyword(model)
     return model, AutoTokenizer.from_pretrained(path)
 
 

@@ -47,7 +47,7 @@ def sample_anchors(seq: Sequence, max_anchors: int, generator: torch.Generator) 
 
 def block_labels(next_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot k (1..L-1) of block n learns next_ids[a_n + k - 1]: labels, valid [N, L-1]."""
-    index = anchors[:, None] + torch.arange(block_size - 1)  # [N, L-1]
+    index = anchors[:, None] + torch.arange(block_size - 1, device=anchors.device)  # [N, L-1]
     valid = index < len(next_ids)
     return next_ids[index.clamp(max=len(next_ids) - 1)], valid
 
