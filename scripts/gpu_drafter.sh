@@ -84,8 +84,9 @@ convert_gguf(next(Path('$STAGE/wheel').rglob('*.gguf')), Path('$MODEL'))" || exi
   }
   pids=()
   harvest recipe & pids+=($!)
-  harvest self1 --sources self-prompts --per-source 3000 --seed 1 & pids+=($!)
-  harvest self2 --sources self-prompts --per-source 3000 --seed 2 & pids+=($!)
+  # the target writes self-prompts 64 at a time: on the first lease 3000 requests were not written within 170 s
+  harvest self1 --sources self-prompts --per-source 1500 --seed 1 & pids+=($!)
+  harvest self2 --sources self-prompts --per-source 1500 --seed 2 & pids+=($!)
   harvest sampled --sources prompts-sampled --temperature 0.7 --per-source 4000 --seed 3 & pids+=($!)
   wait "${pids[@]}"  # not a bare wait: that would also wait for the log's tee
   echo "harvest done at ${SECONDS}s"
