@@ -32,10 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specflash.errors import ModelNotFoundError, SpecFlashError
-from specflash.models.loading import check_cache_keyword
+from specflash.models.loading import load_causal_lm
 from specflash.prompts import training_prompts
 from specflash.training import sources
 from specflash.training.sources import Job
@@ -221,9 +220,7 @@ def load_target(path: Path, device: str, dtype: torch.dtype):
     """A local Hugging Face folder as (model in eval mode, tokenizer)."""
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    check_cache_keyword(model)
-    return model, AutoTokenizer.from_pretrained(path)
+    return load_causal_lm(str(path.resolve()), device, dtype)  # absolute: never read as a preset name
 
 
 # ---- the run ---------------------------------------------------------------------------------
