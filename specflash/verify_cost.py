@@ -61,12 +61,15 @@ def monotone(curve: list[float]) -> list[float]:
 
 
 def cached_verify_cost(target, max_len: int, cache_dir: Path | None, batch: int = 1) -> list[float]:
-    """The curve from `cache_dir/verify-cost/` if measured before for this model, device and
-    batch size (batch 1 keeps the file name it always had)."""
+    """The curve from `cache_dir/verify-cost/` if measured before for this model, device, batch
+    size and, on a CPU, number of torch threads: on a 2-core machine one thread verifies 3
+    tokens for about 1.1x one token where two threads pay 1.6x, so a curve measured at one
+    count misleads a run at the other."""
     if cache_dir is None:
         return monotone(measure_verify_cost(target, max_len, batch=batch))
+    threads = f"-t{torch.get_num_threads()}" if target.device.type == "cpu" else ""
     suffix = "" if batch == 1 else f"-b{batch}"
-    key = (f"{Path(str(target.name)).name}-{target.device.type}-{str(target.dtype).split('.')[-1]}"
+    key = (f"{Path(str(target.name)).name}-{target.device.type}{threads}-{str(target.dtype).split('.')[-1]}"
            f"{target.kernel_tag}{suffix}.json")
     path = Path(cache_dir) / "verify-cost" / key
     if path.exists():

@@ -283,10 +283,24 @@ def test_verify_cost_per_batch_size_is_cached_apart(tiny_targets, tmp_path):
     target = tiny_targets["qwen2"]
     wide = cached_verify_cost(target, 3, tmp_path, batch=3)
     one = cached_verify_cost(target, 3, tmp_path)
-    stem = f"{Path(target.name).name}-cpu-float32"
+    stem = f"{Path(target.name).name}-cpu-t{torch.get_num_threads()}-float32"
     assert sorted(p.name for p in (tmp_path / "verify-cost").iterdir()) == [f"{stem}-b3.json", f"{stem}.json"]
     for curve in (wide, one):
         assert len(curve) == 3 and curve[0] == 1.0 and curve == sorted(curve)
+
+
+def test_verify_cost_per_cpu_thread_count_is_cached_apart(tiny_targets, tmp_path):
+    target = tiny_targets["qwen2"]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cached_verify_cost(target, 3, tmp_path)
+        torch.set_num_threads(2)
+        cached_verify_cost(target, 3, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    names = sorted(p.name for p in (tmp_path / "verify-cost").iterdir())
+    assert [n.split("-cpu-")[1].split("-")[0] for n in names] == ["t1", "t2"]
 
 
 def test_bad_input(tiny_targets):
