@@ -138,11 +138,38 @@ def test_fusion_rule_on_hand_built_logits(tiny_targets):
     assert any(trace["flipped"])
 
 
+def test_fusing_the_long_experts_top_candidates(tiny_targets):
+    """With `candidates` = K, each token is the fused argmax over the K tokens ranked highest by
+    long - beta * prior (checked by hand, step by step); K at or above the vocabulary is the full rule."""
+    target = tiny_targets["qwen3"]
+    head = random_head(target, std=1.0)
+    long = torch.randn(5, target.vocab_size, generator=torch.Generator().manual_seed(3))
+    alpha, beta, k = 50.0, 0.5, 6
+    full = fuse_block(long, head, root=5, alpha=alpha, beta=beta)
+    assert fuse_block(long, head, root=5, alpha=alpha, beta=beta, candidates=target.vocab_size)["tokens"] == full["tokens"]
+    out = fuse_block(long, head, root=5, alpha=alpha, beta=beta, candidates=k)
+    state, last = None, 5
+    for i, token in enumerate(out["tokens"]):
+        with torch.no_grad():
+            short, state = head(torch.tensor([[last]]), state)
+        base = long[i] - beta * head.log_prior
+        pool = base.topk(k).indices
+        fused = base[pool] + alpha * short[0, -1][pool]
+        assert token == int(pool[fused.argmax()])
+        assert abs(out["trace"]["short"][i] - alpha * float(short[0, -1][token])) < 1e-3
+        assert [a["token"] for a in out["trace"]["alternatives"][i]] == pool[fused.topk(3).indices].tolist()
+        last = token
+    assert out["tokens"] != full["tokens"], "a short expert this strong should pick outside the long expert's top 6"
+
+
 def test_config_validation():
     with pytest.raises(MethodConfigError):
         DeLSConfig(alpha=-1)
     with pytest.raises(MethodConfigError):
         DeLSConfig(beta="x")
+    for bad in (-1, 2.5, True):
+        with pytest.raises(MethodConfigError, match="candidates"):
+            DeLSConfig(candidates=bad)
 
 
 def test_local_head_round_trip_and_errors(tiny_targets, tmp_path):

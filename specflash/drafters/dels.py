@@ -37,6 +37,7 @@ class DeLSConfig(DFlashConfig):
     alpha: float = 0.6
     beta: float = 0.3
     local_head: str | None = None  # folder of the trained local head (default: the preset's)
+    candidates: int = 64  # fuse only the long expert's top tokens (fuse_block); 0 = every token
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,18 +45,27 @@ class DeLSConfig(DFlashConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise MethodConfigError(f"{name} must be a number >= 0, got {value!r}")
+        if isinstance(self.candidates, bool) or not isinstance(self.candidates, int) or self.candidates < 0:
+            raise MethodConfigError(f"candidates must be a whole number >= 0 (0: every token), got {self.candidates!r}")
 
 
 @torch.inference_mode()
 def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: float, beta: float,
                vocab: torch.Tensor | None = None,
-               readout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+               readout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               candidates: int = 0) -> dict[str, Any]:
     """Draft the block token by token: long_logits [k, V] are DFlash's, fixed; the local head
     reads the root and each chosen token. With a draft vocabulary `vocab` (target ids [N]),
     long_logits are [k, N] over it and the fusion runs there only: every other token has a long
     logit of -inf, so it could never win. `readout` then gives the local head's logits over the
-    same N tokens (the drafter's `draft_logits`), at N/V of the full LM head's cost. Returns
-    target token ids, fused probabilities and the trace."""
+    same N tokens (the drafter's `draft_logits`), at N/V of the full LM head's cost.
+
+    `candidates` > 0 fuses only the `candidates` tokens ranked highest by long - beta * prior
+    (re-ranking, as fusion drafters commonly do): the local head's readout, most of its cost per
+    token, then computes that many rows of the LM head instead of N. A token outside them could
+    win the full rule only when the short expert outweighs the long one's margin; the draft is
+    verified either way, so this changes speed, never the output. 0 fuses every token.
+    Returns target token ids, fused probabilities and the trace."""
     k = long_logits.shape[0]
     device = long_logits.device
     prior = head.log_prior.to(device)
@@ -63,27 +73,36 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
         vocab = vocab.to(device)
         prior = prior[vocab]
     target_id = (lambda i: int(vocab[i])) if vocab is not None else int
+    lm_rows = head.lm_head_weight()
     tokens, q, trace = [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
     state, last = None, root
     for i in range(k):
+        base = long_logits[i] - beta * prior
+        pool = base.topk(candidates).indices if 0 < candidates < base.numel() else None  # indices into base
+        index = int if pool is None else (lambda j, pool=pool: int(pool[j]))  # fused position -> base index
         if alpha:
-            short, state = head(torch.tensor([[last]], device=device), state, readout)
-            short = short[0, -1]  # [V] or [N]
+            rows_readout = readout
+            if pool is not None:
+                rows = lm_rows[pool if vocab is None else vocab[pool]]
+                rows_readout = lambda hidden, rows=rows: torch.nn.functional.linear(hidden, rows)  # noqa: E731
+            short, state = head(torch.tensor([[last]], device=device), state, rows_readout)
+            short = short[0, -1]  # over the pool, or every token
         else:
-            short = torch.zeros_like(long_logits[i])
-        fused = long_logits[i] + alpha * short - beta * prior
-        best = int(fused.argmax())
+            short = torch.zeros_like(base if pool is None else base[pool])
+        fused = (base if pool is None else base[pool]) + alpha * short
+        j = int(fused.argmax())
+        best = index(j)
         token = target_id(best)
         tokens.append(token)
-        q.append(float(torch.softmax(fused, -1)[best]))
+        q.append(float(torch.softmax(fused, -1)[j]))
         trace["long"].append(float(long_logits[i, best]))
-        trace["short"].append(float(alpha * short[best]))
+        trace["short"].append(float(alpha * short[j]))
         trace["prior"].append(float(-beta * prior[best]))
         trace["flipped"].append(best != int(long_logits[i].argmax()))
         trace["alternatives"].append([
-            {"token": target_id(t), "long": float(long_logits[i, t]), "short": float(alpha * short[t]),
-             "prior": float(-beta * prior[t])}
-            for t in fused.topk(min(_TOP, fused.numel())).indices.tolist()
+            {"token": target_id(index(a)), "long": float(long_logits[i, index(a)]), "short": float(alpha * short[a]),
+             "prior": float(-beta * prior[index(a)])}
+            for a in fused.topk(min(_TOP, fused.numel())).indices.tolist()
         ])
         last = token
     return {"tokens": tokens, "q": q, "trace": trace}
@@ -101,7 +120,7 @@ class DeLSDrafter(DFlashEngineDrafter):
         vocab = self.model.draft_ids
         long_logits = self.model.logits(hidden) if vocab is None else self.model.draft_logits(hidden)  # [k, V | N]
         fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta, vocab,
-                           None if vocab is None else self.model.draft_logits)
+                           None if vocab is None else self.model.draft_logits, self.cfg.candidates)
         draft = Draft(
             DraftTree.chain(fused["tokens"]),
             q=None,

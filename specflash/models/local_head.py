@@ -48,6 +48,10 @@ class LocalHead(nn.Module):
         self.register_buffer("log_prior", torch.zeros(spec.vocab_size))
         self._borrowed = (embed, lm_head)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """The borrowed LM head's rows [V, E], for a readout over a few tokens only."""
+        return self._borrowed[1].weight
+
     def forward(self, ids: torch.Tensor, state: torch.Tensor | None = None,
                 readout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, T] -> (logits [B, T, V]: position j predicts token j+1, GRU state [1, B, G]).
