@@ -4,7 +4,9 @@ Greedy decoding with the draft gate off, so every setting writes the same tokens
 every step; only acceptance changes, and it is deterministic (no timing), so one pass per setting
 suffices. alpha = beta = 0 is exactly dflash. Choose alpha and beta on the tuning requests
 (`--prompts tuning`, the default: training-style requests no harvest of the recipe holds), then
-report on the held-out prompts (`--prompts heldout`) without changing them again.
+report on the held-out prompts (`--prompts heldout`) without changing them again. `--candidates`
+sweeps how many of the long expert's top tokens are fused (0: all); its cost shows as the median
+drafting time per block (timed, so run it on an otherwise idle machine).
 
     source scripts/env.sh && python scripts/dels_sweep.py --model smollm2-135m --alphas 0,0.3,0.6 --betas 0,0.3 --prompts-per-domain 4
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import specflash
@@ -29,6 +32,7 @@ def main() -> None:
     p.add_argument("--local-head", default=None, help="local head folder (default: the preset's)")
     p.add_argument("--alphas", default="0,0.3,0.6,1.0")
     p.add_argument("--betas", default="0,0.3")
+    p.add_argument("--candidates", default=None, help="comma list of candidate counts (default: the method's)")
     p.add_argument("--prompts", choices=("tuning", "heldout"), default="tuning")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -39,31 +43,35 @@ def main() -> None:
     drafter = args.drafter or default_drafter(args.model, "dflash", None)
     prompts = bench_prompts(args.prompts, list(DOMAINS), args.prompts_per_domain)
     rows = []
-    for alpha in [float(a) for a in args.alphas.split(",")]:
-        for beta in [float(b) for b in args.betas.split(",")]:
-            options = {"alpha": alpha, "beta": beta, "gate": False}
-            if args.local_head:
-                options["local_head"] = args.local_head
-            runs = [(domain, specflash.generate(target, text, "dels", max_new_tokens=args.max_new_tokens,
-                                                drafter=drafter, options=options)) for domain, _, text in prompts]
-            per_domain = {}
-            for d in DOMAINS:
-                steps = [s for dom, r in runs if dom == d for s in r.steps if s.phase == "decode"]
-                if steps:
-                    per_domain[d] = sum(len(s.committed) for s in steps) / len(steps)
-            steps = [s for _, r in runs for s in r.steps if s.phase == "decode"]
-            flipped = [f for s in steps if s.tokens for f in s.extras["dels"]["flipped"]]
-            rows.append({
-                "alpha": alpha, "beta": beta, "per_domain": per_domain,
-                "mean": sum(len(s.committed) for s in steps) / len(steps),
-                "per_position": per_position_acceptance(steps),
-                "flipped_rate": sum(flipped) / max(len(flipped), 1),
-            })
-            r = rows[-1]
-            cells = "  ".join(f"{d} {v:.2f}" for d, v in per_domain.items())
-            pos = " ".join(f"{x:.2f}" for x in r["per_position"][:8])
-            print(f"alpha {alpha:<4} beta {beta:<4} mean {r['mean']:.3f}  {cells}  flipped {r['flipped_rate']:.2f}  "
-                  f"per-position {pos}", flush=True)
+    counts = [int(c) for c in args.candidates.split(",")] if args.candidates else [None]
+    settings = [(float(a), float(b), c) for a in args.alphas.split(",") for b in args.betas.split(",") for c in counts]
+    for alpha, beta, candidates in settings:
+        options = {"alpha": alpha, "beta": beta, "gate": False}
+        if candidates is not None:
+            options["candidates"] = candidates
+        if args.local_head:
+            options["local_head"] = args.local_head
+        runs = [(domain, specflash.generate(target, text, "dels", max_new_tokens=args.max_new_tokens,
+                                            drafter=drafter, options=options)) for domain, _, text in prompts]
+        per_domain = {}
+        for d in DOMAINS:
+            steps = [s for dom, r in runs if dom == d for s in r.steps if s.phase == "decode"]
+            if steps:
+                per_domain[d] = sum(len(s.committed) for s in steps) / len(steps)
+        steps = [s for _, r in runs for s in r.steps if s.phase == "decode"]
+        flipped = [f for s in steps if s.tokens for f in s.extras["dels"]["flipped"]]
+        rows.append({
+            "alpha": alpha, "beta": beta, "candidates": candidates, "per_domain": per_domain,
+            "draft_ms": 1000 * statistics.median(s.draft_time for s in steps if s.tokens),
+            "mean": sum(len(s.committed) for s in steps) / len(steps),
+            "per_position": per_position_acceptance(steps),
+            "flipped_rate": sum(flipped) / max(len(flipped), 1),
+        })
+        r = rows[-1]
+        cells = "  ".join(f"{d} {v:.2f}" for d, v in per_domain.items())
+        pos = " ".join(f"{x:.2f}" for x in r["per_position"][:8])
+        print(f"alpha {alpha:<4} beta {beta:<4} candidates {candidates} mean {r['mean']:.3f}  {cells}  "
+              f"flipped {r['flipped_rate']:.2f}  draft {r['draft_ms']:.2f} ms  per-position {pos}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "drafter": drafter, "rows": rows,
                                     "max_new_tokens": args.max_new_tokens, "local_head": args.local_head,
