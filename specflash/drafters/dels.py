@@ -73,23 +73,20 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
         vocab = vocab.to(device)
         prior = prior[vocab]
     target_id = (lambda i: int(vocab[i])) if vocab is not None else int
-    lm_rows = head.lm_head_weight()
     tokens, q, trace = [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
     state, last = None, root
     for i in range(k):
         base = long_logits[i] - beta * prior
         pool = base.topk(candidates).indices if 0 < candidates < base.numel() else None  # indices into base
         index = int if pool is None else (lambda j, pool=pool: int(pool[j]))  # fused position -> base index
+        scores = base if pool is None else base[pool]
         if alpha:
-            rows_readout = readout
-            if pool is not None:
-                rows = lm_rows[pool if vocab is None else vocab[pool]]
-                rows_readout = lambda hidden, rows=rows: torch.nn.functional.linear(hidden, rows)  # noqa: E731
-            short, state = head(torch.tensor([[last]], device=device), state, rows_readout)
+            rows = readout if pool is None else head.readout_rows(pool if vocab is None else vocab[pool])
+            short, state = head(torch.tensor([[last]], device=device), state, rows)
             short = short[0, -1]  # over the pool, or every token
         else:
-            short = torch.zeros_like(base if pool is None else base[pool])
-        fused = (base if pool is None else base[pool]) + alpha * short
+            short = torch.zeros_like(scores)
+        fused = scores + alpha * short
         j = int(fused.argmax())
         best = index(j)
         token = target_id(best)

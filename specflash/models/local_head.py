@@ -48,9 +48,13 @@ class LocalHead(nn.Module):
         self.register_buffer("log_prior", torch.zeros(spec.vocab_size))
         self._borrowed = (embed, lm_head)
 
-    def lm_head_weight(self) -> torch.Tensor:
-        """The borrowed LM head's rows [V, E], for a readout over a few tokens only."""
-        return self._borrowed[1].weight
+    def readout_rows(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A readout over the tokens `ids` only (the borrowed LM head's rows for them), to pass
+        as `readout` when only a few tokens' logits are needed."""
+        head = self._borrowed[1]
+        bias = None if getattr(head, "bias", None) is None else head.bias[ids]
+        rows = head.weight[ids]
+        return lambda hidden: nn.functional.linear(hidden, rows, bias)
 
     def forward(self, ids: torch.Tensor, state: torch.Tensor | None = None,
                 readout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
