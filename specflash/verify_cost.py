@@ -62,9 +62,9 @@ def monotone(curve: list[float]) -> list[float]:
 
 def cached_verify_cost(target, max_len: int, cache_dir: Path | None, batch: int = 1) -> list[float]:
     """The curve from `cache_dir/verify-cost/` if measured before for this model, device, batch
-    size and, on a CPU, number of torch threads: on a 2-core machine one thread verifies 3
-    tokens for about 1.1x one token where two threads pay 1.6x, so a curve measured at one
-    count misleads a run at the other."""
+    size and, on a CPU, number of torch threads: the curve depends on it (SmolLM2-135M on a
+    2-core machine: verifying 7 tokens cost 2.05x one with one thread, 1.84x with two), as the
+    row-kernel choice the target runs on does (row_kernels.tune keys it the same way)."""
     if cache_dir is None:
         return monotone(measure_verify_cost(target, max_len, batch=batch))
     threads = f"-t{torch.get_num_threads()}" if target.device.type == "cpu" else ""
