@@ -48,7 +48,8 @@ from ..models.dflash2 import DFlash2Drafter, DFlash2Spec, from_dflash
 from ..models.dflash_io import DFLASH2_KEYS, load_drafter, save_drafter
 from ..models.target import TargetModel
 from .data import load_target
-from .dflash import CHECKPOINT, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg, learning_rate
+from .dflash import (CHECKPOINT, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg,
+                     add_precision_arg, learning_rate)
 from .dflash2_objective import combine, sequence_terms
 from .dflash_objective import sample_anchors
 from .entry import run_script
@@ -127,7 +128,7 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int) -> d
         anchors = sample_anchors(seq, args.anchors, g)
         if len(anchors) == 0:
             continue
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             terms.append(sequence_terms(model, seq, feats, anchors, weights, unary_weight, args.train != "selector"))
     loss, stats = combine(terms, unary_weight) if terms else (None, {})
     if loss is None:
@@ -213,6 +214,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--feature-cache", type=Path, default=None, help="default: train/features next to the run")
     p.add_argument("--no-feature-cache", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_precision_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
