@@ -80,6 +80,42 @@ def test_greedy_with_accepted_drafts(tiny_targets):
     assert sum(len(s.accepted) for s in run.steps) > 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_drafter_in_its_own_dtype_stays_greedy(tiny_targets, tmp_path, dtype):
+    """A drafter computing in bfloat16 beside the float32 target (what "auto" picks on a CPU with
+    bf16 matrix units) drafts, gets accepted, and the output is still exactly greedy."""
+    target = tiny_targets["qwen3"]
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    reference = hf_greedy(target, ids, 60)
+    model = random_drafter(target, std=0.02, block=4, feature_layers=(0, 1)).train()
+    _fit(target, model, ids + reference, len(ids), steps=60)
+    folder = save_drafter(model.eval(), tmp_path / "drafter", dtype=torch.float32)
+    drafter = build(target, DFlashConfig(gate=False, draft_dtype=dtype), str(folder))
+    assert drafter.model.compute_dtype == getattr(torch, dtype)
+    assert target.dtype == torch.float32 and target.model.get_output_embeddings().weight.dtype == torch.float32
+    run = generate(target, ids, "dflash", drafter=drafter, max_new_tokens=60, stop_on_eos=False)
+    assert run.output_ids == reference
+    assert sum(len(s.accepted) for s in run.steps) > 0
+    assert all(isinstance(q, float) and 0 < q <= 1 for s in run.steps for q in s.q or [])
+
+
+def test_drafter_dtype_choice(tiny_targets, monkeypatch):
+    from specflash.models import dflash_io
+
+    target = tiny_targets["llama"]
+    assert target.dtype == torch.float32
+    monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: True)
+    assert dflash_io.drafter_dtype(target, "auto") == torch.bfloat16
+    monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: False)
+    assert dflash_io.drafter_dtype(target, "auto") == torch.float32
+    assert dflash_io.drafter_dtype(target, "target") == torch.float32
+    assert dflash_io.drafter_dtype(target, "float16") == torch.float16
+    with pytest.raises(ValueError, match="drafter dtype"):
+        dflash_io.drafter_dtype(target, "int8")
+    with pytest.raises(MethodConfigError, match="draft_dtype"):
+        DFlashConfig(draft_dtype="int8")
+
+
 def _features(target, model, token_ids):
     target.capture_layers(model.spec.target_layer_ids)
     return target.forward(token_ids, target.new_cache(), 0, last_only=True).features.clone()

@@ -79,13 +79,16 @@ class TwoBranchDrafter(Drafter):
         return Draft(DraftTree((a, b, (a + 1) % V, (b + 2) % V), (-1, -1, 0, 1)))
 
 
-def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool) -> DFlashEngineDrafter:
+def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool,
+            dtype: torch.dtype = torch.float32) -> DFlashEngineDrafter:
     """A random DFlash drafter over the 8-token vocabulary, optionally with a reduced draft
-    vocabulary and the draft gate (a flat verify cost, so the gate keeps drafting)."""
+    vocabulary, the draft gate (a flat verify cost, so the gate keeps drafting), or computing in
+    another dtype than the float32 target."""
     spec = DFlashSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                       vocab_size=V, block_size=3, num_target_layers=1, target_layer_ids=(0,), mask_token_id=V - 1)
     model = new_drafter(spec, target, None if draft_ids is None else torch.tensor(draft_ids))
     model.init_weights(torch.Generator().manual_seed(3), std=0.5)
+    model.to(dtype)
     if gate:
         return _PrimedGateDrafter(model.eval(), DFlashConfig(gate=True), [1.0] * 4)
     return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=False))
@@ -128,6 +131,7 @@ def _methods(target):
         "tree": lambda: TwoBranchDrafter(),
         "dflash-d2t": lambda: _dflash(target, [0, 2, 3, 5], gate=False),
         "dflash-gated": lambda: _dflash(target, None, gate=True),
+        "dflash-bf16": lambda: _dflash(target, [0, 2, 3, 5], gate=False, dtype=torch.bfloat16),
         "dflash2": lambda: _dflash2(target),
     }
 
@@ -136,7 +140,8 @@ def _tv(counts: dict, exact: dict, n: int) -> float:
     return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
 
 
-@pytest.mark.parametrize("method", ["ar", "draft", "draft-self", "pld", "tree", "dflash-d2t", "dflash-gated", "dflash2"])
+@pytest.mark.parametrize("method", ["ar", "draft", "draft-self", "pld", "tree", "dflash-d2t", "dflash-gated", "dflash-bf16",
+                                    "dflash2"])
 def test_sampled_output_follows_target(target, method):
     exact = _exact(target)
     joint23: dict = {}

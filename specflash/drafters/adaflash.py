@@ -165,7 +165,7 @@ CONFIG = AdaFlashConfig
 def build(target, cfg: AdaFlashConfig, drafter: str | None, cache_dir: Path | None = None) -> AdaFlashDrafter:
     from ..models.acquire import default_cache_dir
 
-    model = load_dflash_model(target, drafter, "adaflash")
+    model = load_dflash_model(target, drafter, "adaflash", cfg.draft_dtype)
     head = load_length_head(drafter_folder(str(drafter)), model.spec.hidden_size)
     cost = None
     if cfg.rule == "cost" or cfg.gate:

@@ -134,7 +134,7 @@ CONFIG = DeLSConfig
 
 
 def build(target, cfg: DeLSConfig, drafter: str | None, cache_dir: Path | None = None) -> DeLSDrafter:
-    model = load_dflash_model(target, drafter, "dels")
+    model = load_dflash_model(target, drafter, "dels", cfg.draft_dtype)
     location = cfg.local_head or _preset_head(target.name, cache_dir)
     if not location:
         raise MethodConfigError(

@@ -21,6 +21,7 @@ import torch
 from ..errors import CheckpointError, MethodConfigError
 from ..models import row_kernels
 from ..models.dflash import DFlashCache, DFlashDrafter
+from ..models.dflash_io import DRAFTER_DTYPES
 from ..tree import DraftTree
 from .base import Draft, Drafter
 from .gate import DraftGate, GateDecision
@@ -32,12 +33,15 @@ class DFlashConfig:
     of drafted tokens per step, e.g. to trade acceptance for cheaper verification. `gate` lets the
     draft gate (gate.py) shrink the draft, down to none, when recent acceptance does not pay for
     drafting on this device; it probes again every `probe_every` steps or more, and starts drafting
-    again once a width is worth `switch_on` times plain decoding."""
+    again once a width is worth `switch_on` times plain decoding. `draft_dtype` is what the drafter
+    computes in (models/dflash_io.py drafter_dtype: "auto" is bfloat16 beside a float32 target on a
+    CPU with bf16 matrix units, else the target's dtype); it changes drafting speed, never the output."""
 
     max_draft: int | None = None
     gate: bool = True
     probe_every: int = 4
     switch_on: float = 1.0
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
@@ -50,6 +54,9 @@ class DFlashConfig:
             raise MethodConfigError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if isinstance(self.switch_on, bool) or not isinstance(self.switch_on, (int, float)) or not self.switch_on >= 1:
             raise MethodConfigError(f"switch_on must be a number >= 1 (1 = no margin), got {self.switch_on!r}")
+        if self.draft_dtype not in ("auto", "target", *DRAFTER_DTYPES):
+            raise MethodConfigError(f"draft_dtype must be auto, target or one of {', '.join(DRAFTER_DTYPES)}, "
+                                    f"got {self.draft_dtype!r}")
 
 
 class DFlashEngineDrafter(Drafter):
@@ -184,7 +191,7 @@ def drafter_folder(drafter: str) -> Path:
 
 
 def build(target, cfg: DFlashConfig, drafter: str | None, cache_dir: Path | None = None) -> DFlashEngineDrafter:
-    model = load_dflash_model(target, drafter, "dflash")
+    model = load_dflash_model(target, drafter, "dflash", cfg.draft_dtype)
     return DFlashEngineDrafter(model, cfg, gate_cost(target, cfg, model.spec.block_size, cache_dir))
 
 
@@ -196,16 +203,17 @@ def gate_cost(target, cfg: DFlashConfig, block_size: int, cache_dir: Path | None
     return cached_verify_cost(target, block_size, cache_dir or default_cache_dir()) if cfg.gate else None
 
 
-def load_dflash_model(target, drafter: str | None, method: str) -> DFlashDrafter:
-    """The DFlash drafter network for `target`; `method` names who asked, for the error."""
-    from ..models.dflash_io import load_drafter
+def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "target") -> DFlashDrafter:
+    """The DFlash drafter network for `target`, computing in `dtype` (drafter_dtype's choices);
+    `method` names who asked, for the error."""
+    from ..models.dflash_io import drafter_dtype, load_drafter
 
     if not drafter:
         raise MethodConfigError(
             f"method {method!r} needs a DFlash drafter: pass --drafter PATH (a DFlash checkpoint for this "
             "target); the smollm2-135m preset ships one"
         )
-    model = load_drafter(drafter_folder(str(drafter)), target)
+    model = load_drafter(drafter_folder(str(drafter)), target).to(drafter_dtype(target, dtype))
     if row_kernels.applies(model):  # the drafter's few-row forwards take the target's measured kernels
         row_kernels.install(model, target.weight_left_rows)
         model.weight_left_rows = frozenset(target.weight_left_rows)

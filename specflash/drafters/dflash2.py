@@ -109,7 +109,7 @@ def build(target, cfg: DFlash2Config, drafter: str | None, cache_dir: Path | Non
             "method 'dflash2' needs a DFlash 2 drafter: pass --drafter PATH (a folder whose config.json declares "
             "DFlash2DraftModel, for this target); no preset ships one yet"
         )
-    model = load_dflash_model(target, drafter, "dflash2")
+    model = load_dflash_model(target, drafter, "dflash2", cfg.draft_dtype)
     if not isinstance(model, DFlash2Drafter):
         raise MethodConfigError(f"method 'dflash2' needs a DFlash 2 drafter (architectures DFlash2DraftModel); "
                                 f"{drafter} is a DFlash drafter: run it with method 'dflash'")

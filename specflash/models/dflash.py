@@ -232,7 +232,12 @@ class DFlashDrafter(nn.Module):
     drafting costs N/V of the full head and verification stays exact.
 
     `weight_left_rows`: row counts whose products run as W @ x^T (models/row_kernels.py), set
-    when the drafter is loaded for a target that measured them."""
+    when the drafter is loaded for a target that measured them.
+
+    The drafter may compute in another dtype than the target (`compute_dtype`, its own weights'):
+    a bfloat16 drafter beside a float32 target on a CPU with bf16 matrix units (drafter_dtype in
+    models/dflash_io.py). Inputs from the target are cast on the way in and logits come out in
+    float32, so callers never see the difference; verification stays the target's own."""
 
     weight_left_rows: frozenset[int] = frozenset()
 
@@ -258,9 +263,13 @@ class DFlashDrafter(nn.Module):
                     if module.bias is not None:
                         module.bias.zero_()
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, Q] -> the block's input embeddings [B, Q, H]: the target's."""
-        return self._borrowed[0](ids)
+        return self._borrowed[0](ids).to(self.compute_dtype)
 
     def logits(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] (already normed) -> target LM head logits [..., V], or only those of
@@ -268,33 +277,34 @@ class DFlashDrafter(nn.Module):
         vocabulary and no `vocab`, logits [..., V] that are -inf outside it."""
         head = self._borrowed[1]
         if vocab is None and self.draft_ids is None:
-            return head(hidden)
+            return head(hidden.to(head.weight.dtype))
         if vocab is not None:
             return self._rows(hidden, vocab)
-        full = hidden.new_full((*hidden.shape[:-1], head.weight.shape[0]), float("-inf"))
+        full = hidden.new_full((*hidden.shape[:-1], head.weight.shape[0]), float("-inf"), dtype=torch.float32)
         full[..., self.draft_ids] = self.draft_logits(hidden)
         return full
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [..., N] over the draft vocabulary, from a copy of its head rows kept between
-        calls (the target's head is frozen; the copy follows its device and dtype)."""
-        weight = self._borrowed[1].weight
-        key = (weight.data_ptr(), weight.dtype, weight.device)
+        """Logits [..., N] (float32) over the draft vocabulary, from a copy of its head rows kept
+        between calls (the target's head is frozen; the copy follows its device and the drafter's
+        compute dtype)."""
+        weight, dtype = self._borrowed[1].weight, self.compute_dtype
+        key = (weight.data_ptr(), dtype, weight.device)
         if getattr(self, "_draft_head", (None,))[0] != key:
-            self._draft_head = (key, weight[self.draft_ids].detach())
+            self._draft_head = (key, weight[self.draft_ids].detach().to(dtype))
         bias = getattr(self._borrowed[1], "bias", None)
-        return row_kernels.linear(hidden, self._draft_head[1], None if bias is None else bias[self.draft_ids],
-                                  self.weight_left_rows)
+        bias = None if bias is None else bias[self.draft_ids].to(dtype)
+        return row_kernels.linear(hidden.to(dtype), self._draft_head[1], bias, self.weight_left_rows).float()
 
     def _rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits [..., K] of the LM head rows `ids` [K]."""
         head = self._borrowed[1]
         bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
-        return F.linear(hidden, head.weight[ids], bias)
+        return F.linear(hidden.to(head.weight.dtype), head.weight[ids], bias)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Concatenated target features [B, C, n_feat*H] -> context states [B, C, H]."""
-        return self.hidden_norm(self.fc(features))
+        return self.hidden_norm(self.fc(features.to(self.compute_dtype)))
 
     def forward(
         self,

@@ -305,6 +305,32 @@ def load_drafter(folder: Path | str, target) -> DFlashDrafter:
     return model.to(target.device, target.dtype).eval()
 
 
+DRAFTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bf16_matrix_units() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX-512 BF16). Where it does,
+    a drafter's small matmuls ran 1.6-1.7x faster in bf16 than in float32 (docs/dflash.md);
+    elsewhere bf16 is emulated and slower."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(check is not None and bool(check()) for check in checks)
+
+
+def drafter_dtype(target, choice: str = "auto") -> torch.dtype:
+    """The dtype a drafter computes in beside `target`: `choice` "auto" is bfloat16 for a float32
+    target on a CPU with bf16 matrix units and the target's dtype everywhere else; "target" is
+    always the target's; or a dtype by name. Only drafting changes: verification is the target's,
+    so every output stays exact."""
+    if choice == "target":
+        return target.dtype
+    if choice == "auto":
+        cpu_fp32 = torch.device(target.device).type == "cpu" and target.dtype == torch.float32
+        return torch.bfloat16 if cpu_fp32 and bf16_matrix_units() else target.dtype
+    if choice not in DRAFTER_DTYPES:
+        raise ValueError(f"drafter dtype must be auto, target or one of {', '.join(DRAFTER_DTYPES)}, got {choice!r}")
+    return DRAFTER_DTYPES[choice]
+
+
 def read_draft_ids(folder: Path, config: dict[str, Any], vocab_size: int) -> torch.Tensor | None:
     """The draft vocabulary of a drafter folder (None = the full vocabulary), checked against
     config.json's `draft_vocab_size` and the target's vocabulary."""

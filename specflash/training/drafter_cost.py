@@ -5,8 +5,9 @@ verify-cost curve is steep here), and the LM head over the full vocabulary is mo
 drafter's cost. Both figures come from the engine's own trace records, on the same held-out
 prompts, side by side: the median `verify_time` of plain decoding's steps and the median
 `draft_time` of DFlash's steps (drafting every step, no gate), with the drafter's draft
-vocabulary and, for comparison, with the target's full LM head and with PyTorch's stock
-matmuls in place of the row kernels the target measured (models/row_kernels.py).
+vocabulary in the dtype the engine picks (models/dflash_io.py drafter_dtype) and, for comparison,
+in float32 as the target, with the target's full LM head and with PyTorch's stock matmuls in
+place of the row kernels the target measured (models/row_kernels.py).
 
     python -m specflash.training.drafter_cost --model smollm2-135m --drafter FOLDER [--out cost.json]
 """
@@ -33,11 +34,13 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
     from ..drafters.dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder, load_dflash_model
     from ..models.dflash_io import load_drafter
 
-    model = load_dflash_model(target, drafter, "drafter_cost")
+    model = load_dflash_model(target, drafter, "drafter_cost", "auto")
+    same = load_dflash_model(target, drafter, "drafter_cost")
     stock = load_drafter(drafter_folder(drafter), target)
     full = load_dflash_model(target, drafter, "drafter_cost")
     full.draft_ids = None
     engines = {"draft_vocab": DFlashEngineDrafter(model, DFlashConfig(gate=False)),
+               "target_dtype": DFlashEngineDrafter(same, DFlashConfig(gate=False)),
                "stock_kernels": DFlashEngineDrafter(stock, DFlashConfig(gate=False)),
                "full_vocab": DFlashEngineDrafter(full, DFlashConfig(gate=False))}
     times: dict[str, list[float]] = {"target_step": [], **{name: [] for name in engines}}
@@ -52,7 +55,9 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
     ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
     vocab = len(model.draft_ids) if model.draft_ids is not None else target.vocab_size
     return {"target_step_ms": ms["target_step"], "block_ms": ms["draft_vocab"], "block_full_vocab_ms": ms["full_vocab"],
-            "block_fraction": ms["draft_vocab"] / ms["target_step"],
+            "block_fraction": ms["draft_vocab"] / ms["target_step"], "block_dtype": str(model.compute_dtype),
+            "block_target_dtype_ms": ms["target_dtype"],
+            "block_target_dtype_fraction": ms["target_dtype"] / ms["target_step"],
             "block_stock_kernels_ms": ms["stock_kernels"],
             "block_stock_kernels_fraction": ms["stock_kernels"] / ms["target_step"],
             "row_kernel_rows": sorted(target.weight_left_rows),
@@ -77,7 +82,9 @@ def report(args: argparse.Namespace) -> dict:
     result = measure(load(args.model, device="cpu", dtype=torch.float32), args.drafter, args.prompts_per_domain,
                      args.max_new_tokens)
     print(f"target step {result['target_step_ms']:.1f} ms | drafter block {result['block_ms']:.1f} ms "
-          f"({100 * result['block_fraction']:.0f}% of a step, {result['draft_vocab_size']} draft tokens) | "
+          f"({100 * result['block_fraction']:.0f}% of a step, {result['draft_vocab_size']} draft tokens, "
+          f"{result['block_dtype']}) | in the target's dtype {result['block_target_dtype_ms']:.1f} ms "
+          f"({100 * result['block_target_dtype_fraction']:.0f}%) | "
           f"stock matmuls {result['block_stock_kernels_ms']:.1f} ms "
           f"({100 * result['block_stock_kernels_fraction']:.0f}%) | "
           f"with the full LM head {result['block_full_vocab_ms']:.1f} ms ({100 * result['block_full_vocab_fraction']:.0f}%)")
