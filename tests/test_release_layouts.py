@@ -194,13 +194,16 @@ def test_gpt_oss_release_layout_loads_and_stays_exact(family_target, tmp_path):
     target = family_target("gpt_oss")
     folder = _checkpoint(tmp_path, target, _gpt_oss_layout, 8)
     tensors = _add_attention_biases(folder)
-    drafter = build(target, DFlashConfig(gate=False), str(folder))
+    drafter = build(target, DFlashConfig(gate=False, draft_dtype="target"), str(folder))  # as stored, to compare
     spec = drafter.model.spec
     assert (spec.block_size, spec.rope_theta, spec.num_target_layers, spec.attention_bias) == (8, 150000, None, True)
     assert spec.layer_types == () and spec.sliding_window is None
     torch.testing.assert_close(drafter.model.layers[1].self_attn.o_proj.bias, tensors["layers.1.self_attn.o_proj.bias"])
     ids = target.tokenizer(PROMPTS[0]).input_ids
-    assert generate(target, ids, drafter=drafter, max_new_tokens=30).output_ids == hf_greedy(target, ids, 30)
+    reference = hf_greedy(target, ids, 30)
+    assert generate(target, ids, drafter=drafter, max_new_tokens=30).output_ids == reference
+    own_dtype = build(target, DFlashConfig(gate=False, draft_dtype="bfloat16"), str(folder))
+    assert generate(target, ids, drafter=own_dtype, max_new_tokens=30).output_ids == reference
 
 
 def test_gpt_oss_layout_is_still_checked(family_target, tmp_path):
