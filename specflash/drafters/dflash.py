@@ -21,7 +21,7 @@ import torch
 from ..errors import CheckpointError, MethodConfigError
 from ..models import row_kernels
 from ..models.dflash import DFlashCache, DFlashDrafter
-from ..models.dflash_io import DRAFTER_DTYPES
+from ..models.dflash_io import DRAFTER_DTYPE_CHOICES
 from ..tree import DraftTree
 from .base import Draft, Drafter
 from .gate import DraftGate, GateDecision
@@ -54,8 +54,8 @@ class DFlashConfig:
             raise MethodConfigError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if isinstance(self.switch_on, bool) or not isinstance(self.switch_on, (int, float)) or not self.switch_on >= 1:
             raise MethodConfigError(f"switch_on must be a number >= 1 (1 = no margin), got {self.switch_on!r}")
-        if self.draft_dtype not in ("auto", "target", *DRAFTER_DTYPES):
-            raise MethodConfigError(f"draft_dtype must be auto, target or one of {', '.join(DRAFTER_DTYPES)}, "
+        if self.draft_dtype not in DRAFTER_DTYPE_CHOICES:
+            raise MethodConfigError(f"draft_dtype must be one of {', '.join(DRAFTER_DTYPE_CHOICES)}, "
                                     f"got {self.draft_dtype!r}")
 
 

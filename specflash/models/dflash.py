@@ -236,8 +236,9 @@ class DFlashDrafter(nn.Module):
 
     The drafter may compute in another dtype than the target (`compute_dtype`, its own weights'):
     a bfloat16 drafter beside a float32 target on a CPU with bf16 matrix units (drafter_dtype in
-    models/dflash_io.py). Inputs from the target are cast on the way in and logits come out in
-    float32, so callers never see the difference; verification stays the target's own."""
+    models/dflash_io.py). Inputs from the target are cast on the way in; draft-vocabulary logits
+    come out in float32 and full-head logits from the target's own head, so callers never see the
+    difference; verification stays the target's own."""
 
     weight_left_rows: frozenset[int] = frozenset()
 
