@@ -431,6 +431,35 @@ def test_round_trip_and_build(saved):
     assert generate(target, ids, "dflash2", drafter=built, max_new_tokens=12).output_ids == hf_greedy(target, ids, 12)
 
 
+def test_a_draft_vocabulary_stores_only_its_successor_rows(tiny_targets, tmp_path):
+    """With a d2t draft vocabulary the successor codebook is saved for those tokens only, and the
+    loaded drafter scores every lattice exactly as the saved one did."""
+    target = tiny_targets["llama"]
+    draft_ids = torch.arange(3, target.vocab_size, 2)
+    model = new_drafter(make_spec(target), target, draft_ids)
+    gen = torch.Generator().manual_seed(1)
+    model.init_weights(gen, std=0.2)
+    with torch.no_grad():
+        model.candidate_selector.hidden_projection.weight.copy_(
+            torch.randn(model.candidate_selector.hidden_projection.weight.shape, generator=gen))
+    folder = save_drafter(model.eval(), tmp_path / "compact", dtype=torch.float32)
+    stored = load_file(str(folder / "model.safetensors"))
+    book = model.candidate_selector.successor_codebook.detach()
+    assert tuple(stored["candidate_selector.successor_codebook"].shape) == (len(draft_ids), 8)
+    assert torch.equal(stored["candidate_selector.successor_codebook"], book[draft_ids])
+    assert tuple(stored["candidate_selector.predecessor_codebook"].shape) == (target.vocab_size, 8)
+    loaded = load_drafter(folder, target)
+    hidden = torch.randn(7, target.hidden_size)
+    anchor = int(torch.arange(target.vocab_size)[~torch.isin(torch.arange(target.vocab_size), draft_ids)][0])
+    with torch.no_grad():
+        want, got = model.lattice(hidden, anchor), loaded.lattice(hidden, anchor)
+    assert torch.equal(got.candidates, want.candidates) and bool(torch.isin(got.candidates, draft_ids).all())
+    torch.testing.assert_close(got.scores, want.scores, rtol=0, atol=0)
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    drafter = DFlash2EngineDrafter(loaded, DFlash2Config(gate=False))
+    assert generate(target, ids, "dflash2", drafter=drafter, max_new_tokens=16).output_ids == hf_greedy(target, ids, 16)
+
+
 def test_release_layout_loads(tiny_targets, tmp_path):
     """A folder written by hand in the layout of z-lab's release (dflash2-config.json: block_size
     only under dflash_config, rope_parameters, sliding layers with is_causal false, the unary
