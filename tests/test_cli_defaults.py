@@ -11,6 +11,12 @@ def test_dflash_family_uses_the_presets_dflash_drafter():
         assert default_drafter("smollm2-135m", method, None) == expected
 
 
+def test_dflash2_uses_the_presets_dflash2_drafter():
+    expected = REPO_ROOT / "assets" / "drafters" / "smollm2-135m-dflash2"
+    assert default_drafter("smollm2-135m", "dflash2", None) == str(expected)
+    assert (expected / "config.json").is_file() and (expected / "model.safetensors").is_file()
+
+
 def test_methods_without_a_drafter_get_none(tmp_path):
     assert default_drafter("smollm2-135m", "ar", None) is None
     assert default_drafter("smollm2-135m", "ptd", None) is None

