@@ -325,3 +325,20 @@ def test_held_out_shards_are_never_trained_on_and_feed_the_length_head(setup, tm
     args.drafter = str(tmp / "dflash")  # trained without a hold-out: the first shards, flagged as seen
     assert [p.name for p in length_head.pick_shards(args)[0]] == ["shard-00000.safetensors", held]
     assert not length_head.pick_shards(args)[1]
+
+
+def test_steps_set_the_run_length_unless_epochs_are_given(setup, tmp_path):
+    """8 answers at 2 per step make a 4-step pass: `--steps 6` alone runs all 6 steps (its schedule
+    is sized for 6), and an explicit `--epochs 1` still stops it after the pass."""
+    from specflash.training import dflash
+
+    tmp, _, model_dir = setup
+
+    def steps_run(out, *extra):
+        argv = ["--model", str(model_dir), "--data", str(tmp / "data"), "--target-layer-ids", "1", "--out", str(out),
+                "--steps", "6", "--anchors", "8", "--seqs-per-step", "2", "--no-feature-cache", *extra]
+        assert dflash.main(argv) == 0
+        return json.loads((out / "export" / "config.json").read_text())["specflash_training"]["steps"]
+
+    assert steps_run(tmp_path / "by-steps") == 6
+    assert steps_run(tmp_path / "one-pass", "--epochs", "1") == 4

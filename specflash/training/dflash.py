@@ -95,6 +95,17 @@ def add_precision_arg(p: argparse.ArgumentParser) -> None:
                         "units a step ran 2x faster at the same loss, docs/dflash.md), or all fp32")
 
 
+EPOCHS_HELP = "passes over the data (default: 1, or unbounded when --steps is given)"
+
+
+def default_epochs(args: argparse.Namespace) -> None:
+    """Without `--epochs`, one pass, unless `--steps` sets the length: then as many passes as those
+    steps take. Why: the schedule is sized by `--steps`, and a run that stopped after one pass
+    would stop in the middle of its decay, at a high rate (the tenth session's first leg did)."""
+    if args.epochs is None:
+        args.epochs = 1 if args.steps is None else math.inf
+
+
 def _order(n: int, seed: int, *salt: int) -> list[int]:
     g = torch.Generator().manual_seed(hash((seed, *salt)) & 0x7FFFFFFF)
     return torch.randperm(n, generator=g).tolist()
@@ -385,7 +396,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
     p.add_argument("--seqs-per-step", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: the epochs)")
     p.add_argument("--minutes", type=float, default=None, help="stop (with a checkpoint) after this much training")
     p.add_argument("--save-every", type=int, default=50)
@@ -397,6 +408,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    default_epochs(args)
     for flag in ("layers", "feature_layers", "anchors", "seqs_per_step", "epochs", "save_every", "log_every"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")

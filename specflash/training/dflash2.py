@@ -48,8 +48,8 @@ from ..models.dflash2 import DFlash2Drafter, DFlash2Spec, from_dflash
 from ..models.dflash_io import DFLASH2_KEYS, load_drafter, save_drafter
 from ..models.target import TargetModel
 from .data import load_target
-from .dflash import (CHECKPOINT, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg,
-                     add_precision_arg, learning_rate)
+from .dflash import (CHECKPOINT, EPOCHS_HELP, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg,
+                     add_precision_arg, default_epochs, learning_rate)
 from .dflash2_objective import combine, sequence_terms
 from .dflash_objective import sample_anchors
 from .entry import run_script
@@ -206,7 +206,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
     p.add_argument("--seqs-per-step", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: the epochs)")
     p.add_argument("--minutes", type=float, default=None, help="stop (with a checkpoint) after this much training")
     p.add_argument("--save-every", type=int, default=50)
@@ -218,6 +218,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    default_epochs(args)
     for flag in ("anchors", "seqs_per_step", "epochs", "save_every", "log_every"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
