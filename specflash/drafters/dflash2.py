@@ -107,7 +107,7 @@ def build(target, cfg: DFlash2Config, drafter: str | None, cache_dir: Path | Non
     if not drafter:
         raise MethodConfigError(
             "method 'dflash2' needs a DFlash 2 drafter: pass --drafter PATH (a folder whose config.json declares "
-            "DFlash2DraftModel, for this target); no preset ships one yet"
+            "DFlash2DraftModel, for this target); the smollm2-135m preset ships one"
         )
     model = load_dflash_model(target, drafter, "dflash2", cfg.draft_dtype)
     if not isinstance(model, DFlash2Drafter):
