@@ -174,14 +174,20 @@ class TargetModel:
         restore(cache, saved)
         self.forward([fed[r] for r in rows], cache, start, last_only=True)
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
         """The target's logits [..., V] from outputs of its last decoder layer [..., H]: its final
-        norm, then its LM head. Distillation caches those outputs instead of full-vocab logits."""
+        norm, then its LM head. Distillation caches those outputs instead of full-vocab logits.
+        `columns` [K] computes only those token ids' logits ([..., K]), the rows a drafter with a
+        draft vocabulary is trained over, at K/V of the cost."""
         norm = getattr(self.model.get_decoder(), "norm", None)
         if norm is None:
             raise ValueError(f"cannot find the final norm of {type(self.model).__name__} (decoder.norm)")
         head = self.model.get_output_embeddings()
-        return head(norm(hidden.to(head.weight.dtype)))
+        normed = norm(hidden.to(head.weight.dtype))
+        if columns is None:
+            return head(normed)
+        bias = head.bias[columns] if getattr(head, "bias", None) is not None else None
+        return torch.nn.functional.linear(normed, head.weight[columns], bias)
 
     def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
         """Hook the given decoder layers (0-based) so forward() returns their outputs."""

@@ -37,7 +37,7 @@ from ..models.target import TargetModel
 from .data import MANIFEST, load_target, read_shard
 from .dflash_features import shard_features
 from .entry import run_script
-from .dflash_objective import make_sequence, sample_anchors, sequence_loss
+from .dflash_objective import Teacher, make_sequence, sample_anchors, sequence_loss
 
 CHECKPOINT = "checkpoint"
 TRAINER_STATE = "trainer.pt"
@@ -209,8 +209,9 @@ def _copy_final_norm(target: TargetModel, model: DFlashDrafter) -> None:
             model.norm.weight.copy_(weight.float())
 
 
-def _step(args, model, opt, batch, weights, progress: Progress, total: int, vocab=None) -> dict:
-    """One optimizer step over a few sequences (each its own forward; losses summed, normalised)."""
+def _step(args, model, opt, batch, weights, progress: Progress, total: int, vocab=None, head_logits=None) -> dict:
+    """One optimizer step over a few sequences (each its own forward; losses summed, normalised).
+    With `head_logits` (soft labels), each sequence's features end with the target's last layer."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + progress.step)
     stats = []
     device_type = next(model.parameters()).device.type
@@ -218,8 +219,12 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int, voca
         anchors = sample_anchors(seq, args.anchors, g)
         if len(anchors) == 0:
             continue
+        teacher = None
+        if head_logits is not None:
+            width = model.spec.hidden_size
+            feats, teacher = feats[:, :-width], Teacher(feats[:, -width:], head_logits, args.soft_labels)
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            stats.append(sequence_loss(model, seq, feats, anchors, weights, vocab))
+            stats.append(sequence_loss(model, seq, feats, anchors, weights, vocab, teacher))
     total_w = sum(s.weight for s in stats)
     if total_w == 0:
         return {}
@@ -259,6 +264,7 @@ class TrainLoop:
     bar: tqdm
     step: Callable[[list], dict | None]
     postfix: Callable[[dict], dict[str, str]]
+    teacher_layer: int | None = None  # also read this target layer's outputs (soft labels)
     clock: float = 0.0  # perf_counter at start minus seconds already trained
     last_save: int = 0
 
@@ -289,7 +295,8 @@ class TrainLoop:
         """Steps over the remaining sequences of one shard, in a seeded order."""
         args, p = self.args, self.progress
         samples = read_shard(shard)
-        feats = shard_features(self.target, samples, shard, self.model.spec.target_layer_ids, self.feature_cache)
+        layers = tuple(self.model.spec.target_layer_ids) + (() if self.teacher_layer is None else (self.teacher_layer,))
+        feats = shard_features(self.target, samples, shard, layers, self.feature_cache)
         within = _order(len(samples), args.seed, p.epoch, p.shard_pos)
         while p.sample_pos < len(samples) and not self.finished():
             idx = within[p.sample_pos : p.sample_pos + args.seqs_per_step]
@@ -331,11 +338,14 @@ def train(args: argparse.Namespace) -> Progress:
                                  "has a draft vocabulary already (--draft-vocab or the checkpoint's d2t)")
         vocab = frequent_tokens(shard_paths(args.data, args.hold_out), args.head_vocab, target.vocab_size)
     weights = loss_weights(args.block_size, args.gamma)
+    soft = args.soft_labels > 0
     TrainLoop(
         args, target, model, opt, progress, out, total, cache,
         tqdm(total=total, initial=progress.step, unit="step", desc=f"dflash-{args.name}"),
-        step=lambda batch: _step(args, model, opt, batch, weights, progress, total, vocab),
+        step=lambda batch: _step(args, model, opt, batch, weights, progress, total, vocab,
+                                 target.head_logits if soft else None),
         postfix=lambda s: {"loss": f"{s['loss']:.3f}", "acc1": f"{s['acc1']:.2f}", "tau": f"{s['tau']:.2f}"},
+        teacher_layer=target.num_layers - 1 if soft else None,
     ).run()
     save_drafter(model, out / "export", dtype=torch.float16, extra=_recipe(args, progress))
     if args.export:
@@ -345,7 +355,7 @@ def train(args: argparse.Namespace) -> Progress:
 
 def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
     """How the drafter was trained, stored in its config.json (ignored by loaders)."""
-    keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed", "init", "draft_vocab")
+    keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed", "init", "draft_vocab", "soft_labels")
     if args.init_from:  # the starting folder fixed the initialisation and the draft vocabulary
         keep = tuple(k for k in keep if k not in ("init", "draft_vocab")) + ("init_from",)
     return {"specflash_training": {**{k: _portable(getattr(args, k)) for k in keep}, "data": [Path(d).name for d in args.data],
@@ -391,6 +401,10 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this drafter folder's weights (and d2t), with a fresh optimizer and schedule; a "
                         "shallower drafter grows to --layers, its new layers starting as the identity")
+    p.add_argument("--soft-labels", type=float, default=0.0, metavar="W",
+                   help="weight w of the target's full distribution as a label (0 = hard labels only, the default; "
+                        "1 = soft only): slot loss (1 - w) CE(label) + w CE(target distribution), read from the "
+                        "target's last layer (stored in harvested shards, computed otherwise)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=float, default=0.04, help="fraction of steps")
     p.add_argument("--clip", type=float, default=1.0)
@@ -414,6 +428,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.block_size < 2:
         p.error("--block-size must be at least 2")
+    if not 0 <= args.soft_labels <= 1:
+        p.error("--soft-labels must be between 0 and 1")
     args.gamma = args.gamma or args.block_size / 2
     return args
 

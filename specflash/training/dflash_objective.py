@@ -6,10 +6,19 @@ training mask), and slot k learns the token the target emits after position a_n 
 cross-entropy of slot k is weighted exp(-(k-1)/gamma): early slots matter most, since a draft is
 accepted only up to its first miss. Works for both shard kinds: in generated shards the target's
 next token is simply the next token; teacher-forced shards carry it as `labels`.
+
+Soft labels (`Teacher`): the hard label is one token of the target's distribution; the whole
+distribution, read from its last layer's outputs through its own norm and LM head, tells the
+drafter how sure the target was and what came second, at no extra target forward (harvested
+shards store that layer). Slot k's loss is then (1 - w) CE(label) + w CE(target distribution),
+the soft term over the same softmax columns the drafter trains (its draft vocabulary). Why: the
+drafter's training-block acceptance ran ~0.4 above its acceptance on held-out shards of the
+same data (docs/dflash.md), a generalisation gap that more signal per token should narrow.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +62,29 @@ def block_labels(next_ids: torch.Tensor, anchors: torch.Tensor, block_size: int)
 
 
 @dataclass
+class Teacher:
+    """The soft-label source for one sequence: the target's last-layer outputs at every position
+    (`hidden` [S, H]; position j's distribution is over the token after j, as `next_ids[j]`),
+    `head_logits(hidden, columns)` its final norm + LM head over the given token ids, and the
+    weight w of the soft term."""
+
+    hidden: torch.Tensor
+    head_logits: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    weight: float
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher: Teacher, index: torch.Tensor,
+                       columns: torch.Tensor | None) -> torch.Tensor:
+    """-sum_v p(v) log q(v) per slot ([N, L-1]): q the drafter's softmax over `columns` (all ids
+    when None), p the target's distribution at positions `index` [N, L-1] over the same columns.
+    The head runs once per distinct position (blocks overlap), without gradient."""
+    with torch.no_grad():
+        positions, inverse = torch.unique(index, return_inverse=True)
+        p = teacher.head_logits(teacher.hidden[positions], columns).float().softmax(-1)[inverse]
+    return -(p * logits.float().log_softmax(-1)).sum(-1)
+
+
+@dataclass
 class StepStats:
     loss: torch.Tensor  # scalar, differentiable
     weight: float  # sum of loss weights (for averaging across sequences)
@@ -88,30 +120,40 @@ def sequence_loss(
     anchors: torch.Tensor,  # [N]
     weights: torch.Tensor,  # [L-1] exp(-(k-1)/gamma)
     vocab: torch.Tensor | None = None,  # [K] token ids the softmax runs over (None = all)
+    teacher: Teacher | None = None,
 ) -> StepStats:
     """Weighted CE (summed, not yet normalised) of all anchored blocks of one sequence. With
     `vocab`, the softmax covers those ids plus this sequence's labels (a restricted head). A
     drafter with a draft vocabulary trains its softmax over exactly that vocabulary; a label
-    outside it can never be drafted, so it carries no loss and counts as a miss."""
+    outside it can never be drafted, so it carries no hard loss and counts as a miss (the soft
+    term still teaches the target's distribution over the draft vocabulary there)."""
     device, L, n = features.device, model.spec.block_size, len(anchors)
     hidden = block_forward(model, seq, features, anchors)  # [N, L, H]
-    labels, valid = block_labels(seq.next_ids.to(device), anchors.to(device), L)
-    reachable = valid
+    next_ids = seq.next_ids.to(device)
+    labels, valid = block_labels(next_ids, anchors.to(device), L)
+    reachable, columns = valid, None
     if model.draft_ids is not None and vocab is None:
         labels, inside = draft_labels(model.draft_ids, labels)
-        reachable = valid & inside
+        reachable, columns = valid & inside, model.draft_ids
         logits = model.draft_logits(hidden[:, 1:]).float()  # [N, L-1, N_draft]
     else:
         if vocab is not None:
             vocab = torch.unique(torch.cat([vocab.to(device), labels.flatten()]))  # sorted [K']
-            labels = torch.searchsorted(vocab, labels)
+            labels, columns = torch.searchsorted(vocab, labels), vocab
         logits = model.logits(hidden[:, 1:], vocab).float()  # [N, L-1, V or K']
     w = weights.to(device)[None] * reachable  # [N, L-1]
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(n, L - 1)
+    loss, total = (ce * w).sum(), float(w.sum())
+    if teacher is not None and teacher.weight > 0:
+        index = (anchors.to(device)[:, None] + torch.arange(L - 1, device=device)).clamp(max=len(next_ids) - 1)
+        w_soft = weights.to(device)[None] * valid
+        soft = soft_cross_entropy(logits, teacher, index, columns)
+        loss = (1 - teacher.weight) * loss + teacher.weight * (soft * w_soft).sum()
+        total = (1 - teacher.weight) * total + teacher.weight * float(w_soft.sum())
     with torch.no_grad():
         slot1 = int(((logits[:, 0].argmax(-1) == labels[:, 0]) & reachable[:, 0]).sum())
         leading = leading_correct(logits, labels, reachable)
-    return StepStats((ce * w).sum(), float(w.sum()), slot1, n, int(leading.sum()))
+    return StepStats(loss, total, slot1, n, int(leading.sum()))
 
 
 def draft_labels(draft_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
