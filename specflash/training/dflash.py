@@ -21,6 +21,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import platformdirs
@@ -38,6 +39,7 @@ from .data import MANIFEST, load_target, read_shard
 from .dflash_features import shard_features
 from .entry import run_script
 from .dflash_objective import Teacher, make_sequence, sample_anchors, sequence_loss
+from .validation import held_out_acceptance, held_out_blocks
 
 CHECKPOINT = "checkpoint"
 TRAINER_STATE = "trainer.pt"
@@ -265,6 +267,7 @@ class TrainLoop:
     step: Callable[[list], dict | None]
     postfix: Callable[[dict], dict[str, str]]
     teacher_layer: int | None = None  # also read this target layer's outputs (soft labels)
+    validate: Callable[[], dict] | None = None  # held-out figures, logged every --validate-every steps
     clock: float = 0.0  # perf_counter at start minus seconds already trained
     last_save: int = 0
 
@@ -280,6 +283,8 @@ class TrainLoop:
         """Epochs over the shards until finished; a new epoch sees every shard finished so far
         (data may still grow while training runs)."""
         p = self.progress
+        if p.step == 0:
+            self._validate()
         while not self.finished():
             if not p.shards:
                 shards = shard_paths(self.args.data, self.args.hold_out)
@@ -289,6 +294,8 @@ class TrainLoop:
             if p.shard_pos >= len(p.shards):
                 p.epoch, p.shard_pos, p.shards = p.epoch + 1, 0, []
         self.bar.close()
+        if getattr(self.args, "validate_every", 0) and p.step % self.args.validate_every:
+            self._validate()  # the figure of the weights the run ends with
         save_checkpoint(self.out, self.model, self.opt, p)
 
     def _train_shard(self, shard: Path) -> None:
@@ -313,11 +320,24 @@ class TrainLoop:
                     with (self.out / "log.jsonl").open("a", encoding="utf-8") as f:
                         row = {k: v for k, v in asdict(p).items() if k != "shards"}
                         f.write(json.dumps({**row, **stats}) + "\n")
+            if getattr(args, "validate_every", 0) and p.step % args.validate_every == 0:
+                self._validate()
             if p.step - self.last_save >= args.save_every:
                 save_checkpoint(self.out, self.model, self.opt, p)
                 self.last_save = p.step
         if p.sample_pos >= len(samples):
             p.shard_pos, p.sample_pos = p.shard_pos + 1, 0
+
+    def _validate(self) -> None:
+        """One row of held-out figures in the log (its own clock time is not training time)."""
+        if self.validate is None:
+            return
+        started = time.perf_counter()
+        row = {"step": self.progress.step, "tokens": self.progress.tokens, "seconds": self.progress.seconds,
+               **self.validate()}
+        with (self.out / "log.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        self.clock += time.perf_counter() - started
 
 
 def train(args: argparse.Namespace) -> Progress:
@@ -339,13 +359,18 @@ def train(args: argparse.Namespace) -> Progress:
         vocab = frequent_tokens(shard_paths(args.data, args.hold_out), args.head_vocab, target.vocab_size)
     weights = loss_weights(args.block_size, args.gamma)
     soft = args.soft_labels > 0
+    validate = None
+    if args.validate_every:
+        held = held_out_blocks(target, args.data, args.hold_out, model.spec.target_layer_ids, cache,
+                               args.validate_samples, args.anchors, args.seed)
+        validate = partial(held_out_acceptance, model, held, weights, args.precision == "bf16")
     TrainLoop(
         args, target, model, opt, progress, out, total, cache,
         tqdm(total=total, initial=progress.step, unit="step", desc=f"dflash-{args.name}"),
         step=lambda batch: _step(args, model, opt, batch, weights, progress, total, vocab,
                                  target.head_logits if soft else None),
         postfix=lambda s: {"loss": f"{s['loss']:.3f}", "acc1": f"{s['acc1']:.2f}", "tau": f"{s['tau']:.2f}"},
-        teacher_layer=target.num_layers - 1 if soft else None,
+        teacher_layer=target.num_layers - 1 if soft else None, validate=validate,
     ).run()
     save_drafter(model, out / "export", dtype=torch.float16, extra=_recipe(args, progress))
     if args.export:
@@ -413,6 +438,10 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: the epochs)")
     p.add_argument("--minutes", type=float, default=None, help="stop (with a checkpoint) after this much training")
+    p.add_argument("--validate-every", type=int, default=0, metavar="N",
+                   help="log held-out acceptance (val_tau, val_acc1, val_loss) on fixed blocks of the --hold-out "
+                        "shards at the start and every N steps (0 = never, the default)")
+    p.add_argument("--validate-samples", type=int, default=64, help="held-out sequences scored by --validate-every")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--feature-cache", type=Path, default=None, help="default: train/features next to the run")
@@ -423,11 +452,14 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     default_epochs(args)
-    for flag in ("layers", "feature_layers", "anchors", "seqs_per_step", "epochs", "save_every", "log_every"):
+    for flag in ("layers", "feature_layers", "anchors", "seqs_per_step", "epochs", "save_every", "log_every",
+                 "validate_samples"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.block_size < 2:
         p.error("--block-size must be at least 2")
+    if args.validate_every < 0:
+        p.error("--validate-every must be 0 (never) or a number of steps")
     if not 0 <= args.soft_labels <= 1:
         p.error("--soft-labels must be between 0 and 1")
     args.gamma = args.gamma or args.block_size / 2

@@ -1,0 +1,64 @@
+"""Held-out acceptance during DFlash training: τ on the `--hold-out` shards every N steps.
+
+Why: a DFlash block conditions only on the target's own context (its slots are mask tokens, not
+drafts), so the leading run of correct slots on a held-out sequence is exactly what greedy
+verification would accept there. Scoring fixed blocks of the held-out shards while training gives
+each run a held-out curve for the price of a few forwards, where the logged training-batch τ
+mixes in what the drafter has memorised of examples it saw before (2.18 on seen shards against
+1.66 on new ones in the eleventh session), and a decoding evaluation costs minutes per point.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from ..errors import SpecFlashError
+from ..models.dflash import DFlashDrafter
+from ..models.target import TargetModel
+from .data import read_shard
+from .dflash_features import shard_features
+from .dflash_objective import Sequence, make_sequence, sample_anchors, sequence_loss
+
+Block = tuple[Sequence, torch.Tensor, torch.Tensor]  # (sequence, features [S, n_feat*H], anchors [N])
+
+
+def held_out_blocks(target: TargetModel, data_dirs: Seq[Path], hold_out: Seq[str], layer_ids: tuple[int, ...],
+                    cache_dir: Path | None, samples: int, anchors: int, seed: int = 0) -> list[Block]:
+    """Up to `samples` sequences drawn evenly from every held-out shard present in the data
+    folders (a seeded choice), each with its features and a fixed set of anchors."""
+    paths = [Path(d) / name for d in data_dirs for name in hold_out if (Path(d) / name).is_file()]
+    if not paths:
+        raise SpecFlashError("--validate-every scores the --hold-out shards, and none of them is in the data folders")
+    g = torch.Generator().manual_seed(seed)
+    per_shard = math.ceil(samples / len(paths))
+    blocks: list[Block] = []
+    for path in paths:
+        rows = read_shard(path)
+        feats = shard_features(target, rows, path, layer_ids, cache_dir)
+        for i in torch.randperm(len(rows), generator=g)[:per_shard].tolist():
+            seq = make_sequence(rows[i].token_ids, rows[i].prompt_len, rows[i].labels)
+            picked = sample_anchors(seq, anchors, g)
+            if len(picked):
+                blocks.append((seq, feats[i].clone(), picked))
+    return blocks[:samples]
+
+
+@torch.no_grad()
+def held_out_acceptance(model: DFlashDrafter, blocks: list[Block], weights: torch.Tensor,
+                        bf16: bool = False) -> dict[str, float]:
+    """val_tau (1 + mean accepted slots per block), val_acc1 (slot 1 right) and val_loss (the
+    weighted hard-label CE) of the drafter on the held-out blocks."""
+    device = next(model.parameters()).device
+    loss = weight = 0.0
+    slot1 = accepted = count = 0
+    for seq, feats, anchors in blocks:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            stats = sequence_loss(model, seq, feats.to(device, torch.float32), anchors, weights)
+        loss, weight = loss + float(stats.loss), weight + stats.weight
+        slot1, accepted, count = slot1 + stats.slot1_correct, accepted + stats.accepted, count + stats.blocks
+    count = max(count, 1)
+    return {"val_tau": 1 + accepted / count, "val_acc1": slot1 / count, "val_loss": loss / max(weight, 1e-9)}

@@ -1,0 +1,60 @@
+"""Held-out validation in the DFlash trainer: rows of held-out acceptance in the log, scored only
+on the held-out shards, without changing what the run trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specflash.training import dflash
+from specflash.training.data import read_shard
+from specflash.training.validation import held_out_blocks
+from test_train_dflash2 import setup  # noqa: F401  (the tiny harvest fixture: two shards of 4 answers)
+
+HELD = "shard-00001.safetensors"
+
+
+def _train(setup, out, *extra):  # noqa: F811
+    tmp, _, model_dir = setup
+    argv = ["--model", str(model_dir), "--data", str(tmp / "data"), "--target-layer-ids", "1", "--out", str(out),
+            "--steps", "4", "--anchors", "8", "--seqs-per-step", "2", "--no-feature-cache", "--log-every", "1",
+            "--lr", "3e-3", "--hold-out", HELD, *extra]
+    return dflash.main(argv)
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_validation_rows_are_logged_and_training_is_unchanged(setup, tmp_path):  # noqa: F811
+    assert _train(setup, tmp_path / "plain") == 0
+    assert _train(setup, tmp_path / "validated", "--validate-every", "3", "--validate-samples", "3") == 0
+    plain, validated = (load_file(str(tmp_path / d / "checkpoint" / "model.safetensors")) for d in ("plain", "validated"))
+    assert all(torch.equal(plain[k], validated[k]) for k in plain)
+    rows = _log(tmp_path / "validated")
+    checks = [r for r in rows if "val_tau" in r]
+    assert [r["step"] for r in checks] == [0, 3, 4]  # the start, every 3 steps, and the end
+    assert all(1 <= r["val_tau"] <= 8 and 0 <= r["val_acc1"] <= 1 and r["val_loss"] > 0 for r in checks)
+    training = [{k: v for k, v in r.items() if k != "seconds"} for r in rows if "val_tau" not in r]
+    assert training == [{k: v for k, v in r.items() if k != "seconds"} for r in _log(tmp_path / "plain")]
+
+
+def test_blocks_come_from_the_held_out_shards_only(setup):  # noqa: F811
+    tmp, target, _ = setup
+    blocks = held_out_blocks(target, [tmp / "data"], [HELD], (1,), None, samples=3, anchors=8)
+    held = {tuple(s.token_ids) for s in read_shard(tmp / "data" / HELD)}
+    assert len(blocks) == 3 and all(tuple(seq.tokens.tolist()) in held for seq, _, _ in blocks)
+    assert all(bool((anchors >= seq.first_anchor).all()) for seq, _, anchors in blocks)
+
+
+def test_validation_needs_held_out_shards_in_the_data(setup, tmp_path, capsys):  # noqa: F811
+    tmp, _, model_dir = setup
+    argv = ["--model", str(model_dir), "--data", str(tmp / "data"), "--target-layer-ids", "1", "--out", str(tmp_path),
+            "--steps", "1", "--no-feature-cache", "--validate-every", "1", "--hold-out", "shard-00009.safetensors"]
+    assert dflash.main(argv) == 2
+    assert "none of them is in the data folders" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        dflash.parse_args(["--model", "m", "--data", "d", "--validate-every", "-1"])
