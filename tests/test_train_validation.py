@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from specflash.training import dflash
+from specflash.models.dflash import loss_weights
 from specflash.training.data import read_shard
 from specflash.training.validation import held_out_blocks
 from test_train_dflash2 import setup  # noqa: F401  (the tiny harvest fixture: two shards of 4 answers)
@@ -58,3 +59,24 @@ def test_validation_needs_held_out_shards_in_the_data(setup, tmp_path, capsys): 
     assert "none of them is in the data folders" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         dflash.parse_args(["--model", "m", "--data", "d", "--validate-every", "-1"])
+
+
+def test_cli_scores_drafters_side_by_side(setup, capsys):  # noqa: F811
+    """Two copies of one drafter score the same figures on the same blocks, which match the
+    trainer's own function on the blocks the CLI draws."""
+    from specflash.models.dflash_io import load_drafter
+    from specflash.training import validation
+
+    tmp, target, model_dir = setup
+    folder = str(tmp / "dflash")
+    argv = ["--model", str(model_dir), "--data", str(tmp / "data"), "--hold-out", HELD, "--drafters",
+            f"{folder},{folder}", "--labels", "a,b", "--samples", "3", "--anchors", "8"]
+    assert validation.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["a"] == result["b"]
+    blocks = held_out_blocks(target, [tmp / "data"], [HELD], (1,), None, samples=3, anchors=8)
+    model = load_drafter(folder, target).float()
+    direct = validation.held_out_acceptance(model, blocks, loss_weights(8, 4.0))
+    assert result["a"]["val_tau"] == pytest.approx(direct["val_tau"])
+    assert result["a"]["blocks"] == sum(len(a) for _, _, a in blocks)
+    assert validation.main(argv[:-6] + ["--drafters", folder, "--labels", "a,b"]) == 2

@@ -6,10 +6,17 @@ verification would accept there. Scoring fixed blocks of the held-out shards whi
 each run a held-out curve for the price of a few forwards, where the logged training-batch τ
 mixes in what the drafter has memorised of examples it saw before (2.18 on seen shards against
 1.66 on new ones in the eleventh session), and a decoding evaluation costs minutes per point.
+
+The same figures for finished drafters, side by side on the same blocks:
+
+    python -m specflash.training.validation --model TARGET --data DIR,DIR --hold-out shard-00001.safetensors \
+        --drafters A,B [--labels a,b] [--samples 256]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -17,11 +24,13 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecFlashError
-from ..models.dflash import DFlashDrafter
+from ..models.dflash import DFlashDrafter, loss_weights
+from ..models.dflash_io import load_drafter
 from ..models.target import TargetModel
-from .data import read_shard
+from .data import load_target, read_shard
 from .dflash_features import shard_features
 from .dflash_objective import Sequence, make_sequence, sample_anchors, sequence_loss
+from .entry import run_script
 
 Block = tuple[Sequence, torch.Tensor, torch.Tensor]  # (sequence, features [S, n_feat*H], anchors [N])
 
@@ -62,3 +71,52 @@ def held_out_acceptance(model: DFlashDrafter, blocks: list[Block], weights: torc
         slot1, accepted, count = slot1 + stats.slot1_correct, accepted + stats.accepted, count + stats.blocks
     count = max(count, 1)
     return {"val_tau": 1 + accepted / count, "val_acc1": slot1 / count, "val_loss": loss / max(weight, 1e-9)}
+
+
+def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Each drafter's held-out figures on the same blocks (they must share feature layers)."""
+    labels = args.labels or [Path(d).name for d in args.drafters]
+    if len(labels) != len(args.drafters):
+        raise SpecFlashError(f"{len(labels)} labels for {len(args.drafters)} drafters")
+    model, tokenizer = load_target(Path(args.model), "cpu", torch.float32)
+    target = TargetModel(model, tokenizer, name=str(Path(args.model).resolve()))
+    drafters = [load_drafter(d, target) for d in args.drafters]
+    layers = {tuple(d.spec.target_layer_ids) for d in drafters}
+    if len(layers) > 1:
+        raise SpecFlashError(f"the drafters read different target layers ({sorted(layers)}); compare them one at a time")
+    blocks = held_out_blocks(target, args.data, args.hold_out, layers.pop(), None, args.samples, args.anchors, args.seed)
+    return {label: {**held_out_acceptance(d.float(), blocks, loss_weights(d.spec.block_size, d.spec.block_size / 2)),
+                    "blocks": sum(len(a) for _, _, a in blocks)} for label, d in zip(labels, drafters)}
+
+
+def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
+    def paths(text: str) -> list[Path]:
+        return [Path(x) for x in text.split(",") if x]
+
+    p = argparse.ArgumentParser(prog="python -m specflash.training.validation", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="local Hugging Face folder of the target")
+    p.add_argument("--data", required=True, type=paths, help="comma list of harvest folders")
+    p.add_argument("--hold-out", required=True, type=lambda s: [x for x in s.split(",") if x], metavar="SHARD,...")
+    p.add_argument("--drafters", required=True, type=paths, help="comma list of DFlash drafter folders")
+    p.add_argument("--labels", default=None, type=lambda s: [x for x in s.split(",") if x])
+    p.add_argument("--samples", type=int, default=256, help="held-out sequences, spread over the held-out shards")
+    p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def report(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """`compare`, printed as JSON on stdout."""
+    result = compare(args)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    """CLI entry: exit 0 on success, 2 with a one-line message on bad input."""
+    return run_script(parse_args(argv), report, lambda r: f"scored {len(r)} drafters on the same held-out blocks")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
