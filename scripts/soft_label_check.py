@@ -15,6 +15,7 @@ import torch
 from specflash.models.target import TargetModel
 from specflash.training.data import load_target, read_shard
 from specflash.training.dflash_features import harvested_features
+from specflash.training.dflash_objective import make_sequence
 
 
 def check(target: TargetModel, folder: Path, shard: str, samples: int) -> tuple[float, int, float]:
@@ -27,7 +28,7 @@ def check(target: TargetModel, folder: Path, shard: str, samples: int) -> tuple[
     agree = total = 0
     entropy = 0.0
     for sample, hidden in list(zip(rows, feats))[:samples]:
-        next_ids = torch.tensor(sample.labels if sample.labels is not None else sample.token_ids[1:])
+        next_ids = make_sequence(sample.token_ids, sample.prompt_len, sample.labels).next_ids
         with torch.no_grad():
             logits = target.head_logits(hidden.float())[sample.prompt_len : len(next_ids)].float()
         agree += int((logits.argmax(-1) == next_ids[sample.prompt_len :]).sum())

@@ -267,7 +267,8 @@ class TrainLoop:
     step: Callable[[list], dict | None]
     postfix: Callable[[dict], dict[str, str]]
     teacher_layer: int | None = None  # also read this target layer's outputs (soft labels)
-    validate: Callable[[], dict] | None = None  # held-out figures, logged every --validate-every steps
+    validate: Callable[[], dict] | None = None  # held-out figures, logged at the start, the end and
+    validate_every: int = 0  # every this many steps
     clock: float = 0.0  # perf_counter at start minus seconds already trained
     last_save: int = 0
 
@@ -294,7 +295,7 @@ class TrainLoop:
             if p.shard_pos >= len(p.shards):
                 p.epoch, p.shard_pos, p.shards = p.epoch + 1, 0, []
         self.bar.close()
-        if getattr(self.args, "validate_every", 0) and p.step % self.args.validate_every:
+        if self.validate_every and p.step % self.validate_every:
             self._validate()  # the figure of the weights the run ends with
         save_checkpoint(self.out, self.model, self.opt, p)
 
@@ -320,7 +321,7 @@ class TrainLoop:
                     with (self.out / "log.jsonl").open("a", encoding="utf-8") as f:
                         row = {k: v for k, v in asdict(p).items() if k != "shards"}
                         f.write(json.dumps({**row, **stats}) + "\n")
-            if getattr(args, "validate_every", 0) and p.step % args.validate_every == 0:
+            if self.validate_every and p.step % self.validate_every == 0:
                 self._validate()
             if p.step - self.last_save >= args.save_every:
                 save_checkpoint(self.out, self.model, self.opt, p)
@@ -370,7 +371,7 @@ def train(args: argparse.Namespace) -> Progress:
         step=lambda batch: _step(args, model, opt, batch, weights, progress, total, vocab,
                                  target.head_logits if soft else None),
         postfix=lambda s: {"loss": f"{s['loss']:.3f}", "acc1": f"{s['acc1']:.2f}", "tau": f"{s['tau']:.2f}"},
-        teacher_layer=target.num_layers - 1 if soft else None, validate=validate,
+        teacher_layer=target.num_layers - 1 if soft else None, validate=validate, validate_every=args.validate_every,
     ).run()
     save_drafter(model, out / "export", dtype=torch.float16, extra=_recipe(args, progress))
     if args.export:

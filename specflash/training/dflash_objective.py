@@ -54,11 +54,17 @@ def sample_anchors(seq: Sequence, max_anchors: int, generator: torch.Generator) 
     return pick.sort().values
 
 
+def label_positions(anchors: torch.Tensor, block_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The position whose next token slot k (1..L-1) of block n learns, a_n + k - 1, clamped into
+    a sequence of `length` positions, and whether it lies inside: index, valid [N, L-1]."""
+    index = anchors[:, None] + torch.arange(block_size - 1, device=anchors.device)  # [N, L-1]
+    return index.clamp(max=length - 1), index < length
+
+
 def block_labels(next_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot k (1..L-1) of block n learns next_ids[a_n + k - 1]: labels, valid [N, L-1]."""
-    index = anchors[:, None] + torch.arange(block_size - 1, device=anchors.device)  # [N, L-1]
-    valid = index < len(next_ids)
-    return next_ids[index.clamp(max=len(next_ids) - 1)], valid
+    index, valid = label_positions(anchors, block_size, len(next_ids))
+    return next_ids[index], valid
 
 
 @dataclass
@@ -145,7 +151,7 @@ def sequence_loss(
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(n, L - 1)
     loss, total = (ce * w).sum(), float(w.sum())
     if teacher is not None and teacher.weight > 0:
-        index = (anchors.to(device)[:, None] + torch.arange(L - 1, device=device)).clamp(max=len(next_ids) - 1)
+        index, _ = label_positions(anchors.to(device), L, len(next_ids))
         w_soft = weights.to(device)[None] * valid
         soft = soft_cross_entropy(logits, teacher, index, columns)
         loss = (1 - teacher.weight) * loss + teacher.weight * (soft * w_soft).sum()

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.dflash import DFlashDrafter
-from .dflash_objective import Sequence, block_forward, block_labels, draft_labels, leading_correct
+from .dflash_objective import Sequence, block_forward, block_labels, draft_labels, label_positions, leading_correct
 
 OBJECTIVES = ("opd", "sft")
 
@@ -72,7 +72,7 @@ def block_terms(
         with torch.no_grad():
             accepted = leading_correct(student, labels, valid & inside)
         return BlockTerms(ce, None, w, accepted)
-    index = (anchors[:, None] + torch.arange(L - 1, device=device)).clamp(max=len(teacher_hidden) - 1)  # [N, L-1]
+    index, _ = label_positions(anchors, L, len(teacher_hidden))  # [N, L-1]
     with torch.no_grad():
         teacher = head_logits(teacher_hidden[index]).float()  # [N, L-1, V]
         labels, inside = _student_labels(vocab, teacher.argmax(-1))
