@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from specflash.models.target import TargetModel
-from specflash.training.data import load_target, read_shard
+from specflash.training.data import load_training_target, read_shard
 from specflash.training.dflash_features import harvested_features
 from specflash.training.dflash_objective import make_sequence
 
@@ -44,11 +44,11 @@ def main() -> None:
     p.add_argument("--shard", default="shard-00001.safetensors")
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("folders", nargs="+", type=Path)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_target(args.model, "cpu", torch.float32)
-    target = TargetModel(model, tokenizer, name=str(args.model))
+    target = load_training_target(args.model, args.device)
     print("| folder | argmax = recorded token | answer positions | mean entropy (nats) |\n|---|---|---|---|")
     for folder in args.folders:
         agree, total, entropy = check(target, folder, args.shard, args.samples)

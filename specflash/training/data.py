@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from specflash.errors import ModelNotFoundError, SpecFlashError
 from specflash.models.loading import load_causal_lm
+from specflash.models.target import TargetModel
 from specflash.prompts import training_prompts
 from specflash.training import sources
 from specflash.training.sources import Job
@@ -221,6 +222,13 @@ def load_target(path: Path, device: str, dtype: torch.dtype):
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
     return load_causal_lm(str(path.resolve()), device, dtype)  # absolute: never read as a preset name
+
+
+def load_training_target(path: Path, device: str) -> TargetModel:
+    """The fp32 target the trainers and their checks read features and labels from, named by its
+    absolute folder so that a drafter's recorded target never depends on the working directory."""
+    model, tokenizer = load_target(Path(path), device, torch.float32)
+    return TargetModel(model, tokenizer, name=str(Path(path).resolve()))
 
 
 # ---- the run ---------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ..models.dflash_io import (load_state, new_drafter, pick_mask_token, read_c
 from .dflash_init import can_grow, grow_from, init_from_target
 from .draft_vocab import frequent_tokens
 from ..models.target import TargetModel
-from .data import MANIFEST, load_target, read_shard
+from .data import MANIFEST, load_training_target, read_shard
 from .dflash_features import shard_features
 from .entry import run_script
 from .dflash_objective import Teacher, make_sequence, sample_anchors, sequence_loss
@@ -347,8 +347,7 @@ def train(args: argparse.Namespace) -> Progress:
     out.mkdir(parents=True, exist_ok=True)
     if args.init_from and not args.hold_out:  # what the starting drafter never saw, this one must not see either
         args.hold_out = recorded_hold_out(args.init_from)
-    hf_model, tokenizer = load_target(Path(args.model), args.device, torch.float32)
-    target = TargetModel(hf_model, tokenizer, name=str(Path(args.model).resolve()))
+    target = load_training_target(args.model, args.device)
     model, opt, progress = init_or_resume(args, target, out)
     total = _total_steps(args, args.data)
     cache = None if args.no_feature_cache else Path(args.feature_cache or out.parent / "features")

@@ -33,7 +33,6 @@ DFlash drafter is not carried over: it was fitted to DFlash's hidden states.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -47,7 +46,7 @@ from ..models.dflash import loss_weights
 from ..models.dflash2 import DFlash2Drafter, DFlash2Spec, from_dflash
 from ..models.dflash_io import DFLASH2_KEYS, load_drafter, save_drafter
 from ..models.target import TargetModel
-from .data import load_target
+from .data import load_training_target
 from .dflash import (CHECKPOINT, EPOCHS_HELP, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg,
                      add_precision_arg, default_epochs, learning_rate)
 from .dflash2_objective import combine, sequence_terms
@@ -147,8 +146,7 @@ def train(args: argparse.Namespace) -> Progress:
     """Run (or resume) training until `--epochs`/`--steps` or `--minutes` are used up; export."""
     out = Path(args.out or Path(platformdirs.user_cache_dir("specflash")) / "train" / f"dflash2-{args.name}")
     out.mkdir(parents=True, exist_ok=True)
-    hf_model, tokenizer = load_target(Path(args.model), args.device, torch.float32)
-    target = TargetModel(hf_model, tokenizer, name=str(Path(args.model).resolve()))
+    target = load_training_target(args.model, args.device)
     model, opt, progress = init_or_resume(args, target, out)
     total = _total_steps(args, args.data)
     cache = None if args.no_feature_cache else Path(args.feature_cache or out.parent / "features")

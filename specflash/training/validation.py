@@ -27,7 +27,7 @@ from ..errors import SpecFlashError
 from ..models.dflash import DFlashDrafter, loss_weights
 from ..models.dflash_io import load_drafter
 from ..models.target import TargetModel
-from .data import load_target, read_shard
+from .data import load_training_target, read_shard
 from .dflash_features import shard_features
 from .dflash_objective import Sequence, make_sequence, sample_anchors, sequence_loss
 from .entry import run_script
@@ -78,8 +78,7 @@ def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     labels = args.labels or [Path(d).name for d in args.drafters]
     if len(labels) != len(args.drafters):
         raise SpecFlashError(f"{len(labels)} labels for {len(args.drafters)} drafters")
-    model, tokenizer = load_target(Path(args.model), "cpu", torch.float32)
-    target = TargetModel(model, tokenizer, name=str(Path(args.model).resolve()))
+    target = load_training_target(args.model, args.device)
     drafters = [load_drafter(d, target) for d in args.drafters]
     layers = {tuple(d.spec.target_layer_ids) for d in drafters}
     if len(layers) > 1:
@@ -103,6 +102,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return p.parse_args(argv)
 
 
