@@ -14,7 +14,7 @@ from specflash.api import generate
 from specflash.config import SamplingConfig
 from specflash.drafters.dels import DeLSConfig, DeLSDrafter, fuse_block
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
-from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError
+from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError, SpecFlashError
 from specflash.models.local_head import LocalHeadSpec, build_local_head, load_local_head, save_local_head
 from specflash.training.data import Sample
 from specflash.training.local_head import anchored_blocks, block_loss, unigram_log_prior
@@ -231,3 +231,34 @@ def test_local_head_training_run_logs_every_step(tiny_dirs, tmp_path):
     assert json.loads((tmp_path / "run" / "train_log.json").read_text()) == log
     exported = json.loads((tmp_path / "head" / "config.json").read_text())
     assert exported["training"]["final_loss"] == log["final_loss"] is not None
+
+
+def test_local_head_holds_out_shards_and_scores_them(tiny_dirs, tiny_targets, tmp_path):
+    """--hold-out keeps a shard's samples out of training and reports the head's loss on them."""
+    from specflash.training.data import MANIFEST, write_shard
+    from specflash.training.local_head import block_loss, parse_args, split_by_shard, train
+
+    data = tmp_path / "data"
+    data.mkdir()
+    seen = [Sample(list(range(3, 3 + 20)), 4, "code", "t", f"s{i}") for i in range(3)]
+    unseen = [Sample(list(range(40, 40 + 12)) * 2, 4, "code", "t", f"u{i}") for i in range(2)]
+    write_shard(data / "shard-00000.safetensors", seen, "generate")
+    write_shard(data / "shard-00001.safetensors", unseen, "generate")
+    (data / MANIFEST).write_text(json.dumps({"shards": [{"file": "shard-00000.safetensors", "ids": ["s0", "s1", "s2"]},
+                                                         {"file": "shard-00001.safetensors", "ids": ["u0", "u1"]}]}))
+    train_part, held = split_by_shard([data], ["shard-00001.safetensors"])
+    assert [s.sample_id for s in train_part] == ["s0", "s1", "s2"] and [s.sample_id for s in held] == ["u0", "u1"]
+    with pytest.raises(SpecFlashError, match="hold-out"):
+        split_by_shard([data], ["shard-00009.safetensors"])
+
+    args = parse_args(["--model", str(tiny_dirs["llama"]), "--data", str(data), "--out", str(tmp_path / "run"),
+                       "--export", str(tmp_path / "head"), "--hold-out", "shard-00001.safetensors", "--steps", "4",
+                       "--batch", "4", "--block-size", "4", "--hidden", "16", "--anchors-per-sample", "4", "--seed", "3"])
+    train(args)
+    log = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    assert log["samples"] == 3 and log["held_out_samples"] == 2
+    head = load_local_head(tmp_path / "head", tiny_targets["llama"]).float()
+    blocks = anchored_blocks(held, 4, 4, random.Random(3))
+    with torch.no_grad():
+        expected = block_loss(head, blocks, args.gamma).item()
+    assert log["held_out_loss"] == pytest.approx(expected, rel=2e-2)  # the export is fp16

@@ -20,8 +20,9 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from ..errors import SpecFlashError
 from ..models.local_head import LocalHead, LocalHeadSpec, build_local_head, save_local_head
-from .data import Sample, load_shards
+from .data import Sample, read_manifest, read_shard
 
 
 def unigram_log_prior(samples: Sequence[Sample], vocab_size: int) -> torch.Tensor:
@@ -48,6 +49,31 @@ def anchored_blocks(samples: Sequence[Sample], block_size: int, per_sample: int,
     return torch.tensor(blocks, dtype=torch.long)
 
 
+def split_by_shard(dirs: Sequence[Path], hold_out: Sequence[str]) -> tuple[list[Sample], list[Sample]]:
+    """(training, held-out) samples of the data folders: shards named in `hold_out` are held out,
+    the same shard names the drafter's trainer holds out, so one split serves both."""
+    train, held = [], []
+    for d in dirs:
+        manifest = read_manifest(d)
+        if manifest is None:
+            raise SpecFlashError(f"{d} has no manifest; make data with python -m specflash.training.harvest")
+        for shard in manifest["shards"]:
+            (held if shard["file"] in hold_out else train).extend(read_shard(d / shard["file"]))
+    if hold_out and not held:
+        raise SpecFlashError(f"none of the --hold-out shards {list(hold_out)} is in the data folders")
+    return train, held
+
+
+@torch.no_grad()
+def mean_block_loss(head: LocalHead, blocks: torch.Tensor, gamma: float, batch: int = 256) -> float:
+    """`block_loss` over many blocks, in batches; every block counts the same."""
+    total = 0.0
+    for i in range(0, len(blocks), batch):
+        part = blocks[i : i + batch]
+        total += block_loss(head, part, gamma).item() * len(part)
+    return total / len(blocks)
+
+
 def block_loss(head: LocalHead, blocks: torch.Tensor, gamma: float) -> torch.Tensor:
     """Decay-weighted CE: slot k (1..L-1) predicted from tokens 0..k-1, weight exp(-(k-1)/gamma)."""
     logits, _ = head(blocks[:, :-1])  # [B, L-1, V]
@@ -70,7 +96,7 @@ def train(args: argparse.Namespace) -> Path:
     target = load(args.model, device=args.device, dtype=torch.float32)
     for p in target.model.parameters():
         p.requires_grad_(False)
-    samples = [s for d in args.data.split(",") for s in load_shards(Path(d).expanduser())]
+    samples, held = split_by_shard([Path(d).expanduser() for d in args.data.split(",")], args.hold_out)
     spec = LocalHeadSpec(target.vocab_size, target.hidden_size, args.hidden, args.block_size)
     head = build_local_head(spec, target)
     head.log_prior.copy_(unigram_log_prior(samples, target.vocab_size))
@@ -106,6 +132,9 @@ def train(args: argparse.Namespace) -> Path:
         "final_loss": sum(log[-20:]) / max(len(log[-20:]), 1) if log else None,
         "tokens_trained": args.steps * args.batch * (args.block_size - 1),
     }
+    if held:
+        held_blocks = anchored_blocks(held, args.block_size, args.anchors_per_sample, random.Random(args.seed))
+        summary |= {"held_out_samples": len(held), "held_out_loss": mean_block_loss(head.eval(), held_blocks.to(target.device), args.gamma)}
     log_path = out / "train_log.json"
     if log or not log_path.exists():
         log_path.write_text(json.dumps({**summary, "losses": {"first_step": step_start, "loss": log}, "args": vars(args)},
@@ -122,6 +151,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--data", required=True, help="comma-separated shard folders from specflash.training.data")
     p.add_argument("--out", default=None, help="checkpoint folder (default: ~/.cache/specflash/train/local-head-<model>)")
+    p.add_argument("--hold-out", default=[], type=lambda s: [x for x in s.split(",") if x], metavar="SHARD,...",
+                   help="shard files left out of training and scored at the end (held_out_loss)")
     p.add_argument("--export", default=None, help="write the fp16 head here when done (e.g. assets/heads/...)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gamma", type=float, default=7.0)
