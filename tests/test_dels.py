@@ -236,7 +236,7 @@ def test_local_head_training_run_logs_every_step(tiny_dirs, tmp_path):
 def test_local_head_holds_out_shards_and_scores_them(tiny_dirs, tiny_targets, tmp_path):
     """--hold-out keeps a shard's samples out of training and reports the head's loss on them."""
     from specflash.training.data import MANIFEST, write_shard
-    from specflash.training.local_head import block_loss, parse_args, split_by_shard, train
+    from specflash.training.local_head import block_loss, held_out_blocks, parse_args, split_by_shard, train
 
     data = tmp_path / "data"
     data.mkdir()
@@ -259,6 +259,9 @@ def test_local_head_holds_out_shards_and_scores_them(tiny_dirs, tiny_targets, tm
     assert log["samples"] == 3 and log["held_out_samples"] == 2
     head = load_local_head(tmp_path / "head", tiny_targets["llama"]).float()
     blocks = anchored_blocks(held, 4, 4, random.Random(3))
+    assert torch.equal(held_out_blocks(held, 4, 4, 1000, 3), blocks)  # under the limit: every block, in order
+    fewer = held_out_blocks(held, 4, 4, 3, 3)
+    assert len(fewer) == 3 and all(row in blocks.tolist() for row in fewer.tolist())
     with torch.no_grad():
         expected = block_loss(head, blocks, args.gamma).item()
     assert log["held_out_loss"] == pytest.approx(expected, rel=2e-2)  # the export is fp16

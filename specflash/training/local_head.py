@@ -64,6 +64,14 @@ def split_by_shard(dirs: Sequence[Path], hold_out: Sequence[str]) -> tuple[list[
     return train, held
 
 
+def held_out_blocks(held: Sequence[Sample], block_size: int, per_sample: int, limit: int, seed: int) -> torch.Tensor:
+    """At most `limit` anchored blocks of the held-out samples, a seeded choice: scoring every
+    block through the full-vocabulary LM head would cost as much as the training itself."""
+    blocks = anchored_blocks(held, block_size, per_sample, random.Random(seed))
+    keep = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))[:limit]
+    return blocks[keep.sort().values]
+
+
 @torch.no_grad()
 def mean_block_loss(head: LocalHead, blocks: torch.Tensor, gamma: float, batch: int = 256) -> float:
     """`block_loss` over many blocks, in batches; every block counts the same."""
@@ -133,8 +141,9 @@ def train(args: argparse.Namespace) -> Path:
         "tokens_trained": args.steps * args.batch * (args.block_size - 1),
     }
     if held:
-        held_blocks = anchored_blocks(held, args.block_size, args.anchors_per_sample, random.Random(args.seed))
-        summary |= {"held_out_samples": len(held), "held_out_loss": mean_block_loss(head.eval(), held_blocks.to(target.device), args.gamma)}
+        held_blocks = held_out_blocks(held, args.block_size, args.anchors_per_sample, args.held_out_blocks, args.seed)
+        summary |= {"held_out_samples": len(held), "held_out_blocks": len(held_blocks),
+                    "held_out_loss": mean_block_loss(head.eval(), held_blocks.to(target.device), args.gamma)}
     log_path = out / "train_log.json"
     if log or not log_path.exists():
         log_path.write_text(json.dumps({**summary, "losses": {"first_step": step_start, "loss": log}, "args": vars(args)},
@@ -153,6 +162,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="checkpoint folder (default: ~/.cache/specflash/train/local-head-<model>)")
     p.add_argument("--hold-out", default=[], type=lambda s: [x for x in s.split(",") if x], metavar="SHARD,...",
                    help="shard files left out of training and scored at the end (held_out_loss)")
+    p.add_argument("--held-out-blocks", type=int, default=2048, help="at most this many held-out blocks are scored")
     p.add_argument("--export", default=None, help="write the fp16 head here when done (e.g. assets/heads/...)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gamma", type=float, default=7.0)
