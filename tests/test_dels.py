@@ -265,3 +265,12 @@ def test_local_head_holds_out_shards_and_scores_them(tiny_dirs, tiny_targets, tm
     with torch.no_grad():
         expected = block_loss(head, blocks, args.gamma).item()
     assert log["held_out_loss"] == pytest.approx(expected, rel=2e-2)  # the export is fp16
+
+    again = ["--model", str(tiny_dirs["llama"]), "--data", str(data), "--hold-out", "shard-00001.safetensors",
+             "--baseline", str(tmp_path / "head"), "--steps", "2", "--batch", "4", "--hidden", "16",
+             "--anchors-per-sample", "4", "--seed", "3"]
+    train(parse_args([*again, "--out", str(tmp_path / "run2"), "--block-size", "4"]))
+    scored = json.loads((tmp_path / "run2" / "train_log.json").read_text())["baseline_held_out_loss"]
+    assert scored == {str(tmp_path / "head"): pytest.approx(expected, rel=1e-5)}  # same blocks, same head
+    with pytest.raises(SpecFlashError, match="block size"):
+        train(parse_args([*again, "--out", str(tmp_path / "run3"), "--block-size", "6"]))

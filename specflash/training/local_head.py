@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import SpecFlashError
-from ..models.local_head import LocalHead, LocalHeadSpec, build_local_head, save_local_head
+from ..models.local_head import LocalHead, LocalHeadSpec, build_local_head, load_local_head, save_local_head
 from .data import Sample, read_manifest, read_shard
 
 
@@ -80,6 +80,16 @@ def mean_block_loss(head: LocalHead, blocks: torch.Tensor, gamma: float, batch: 
         part = blocks[i : i + batch]
         total += block_loss(head, part, gamma).item() * len(part)
     return total / len(blocks)
+
+
+def baseline_loss(folder: Path, target, blocks: torch.Tensor, gamma: float) -> float:
+    """An existing head's loss on the new head's held-out blocks: the one comparison that says
+    whether the new head is worth shipping, on data neither was trained on."""
+    head = load_local_head(folder, target).float().eval()
+    if head.spec.block_size != blocks.shape[1]:
+        raise SpecFlashError(f"--baseline {folder} has block size {head.spec.block_size}, the new head "
+                             f"{blocks.shape[1]}: their losses are not comparable")
+    return mean_block_loss(head, blocks, gamma)
 
 
 def block_loss(head: LocalHead, blocks: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -142,8 +152,12 @@ def train(args: argparse.Namespace) -> Path:
     }
     if held:
         held_blocks = held_out_blocks(held, args.block_size, args.anchors_per_sample, args.held_out_blocks, args.seed)
+        held_blocks = held_blocks.to(target.device)
         summary |= {"held_out_samples": len(held), "held_out_blocks": len(held_blocks),
-                    "held_out_loss": mean_block_loss(head.eval(), held_blocks.to(target.device), args.gamma)}
+                    "held_out_loss": mean_block_loss(head.eval(), held_blocks, args.gamma)}
+        if args.baseline:
+            summary["baseline_held_out_loss"] = {
+                str(folder): baseline_loss(Path(folder), target, held_blocks, args.gamma) for folder in args.baseline}
     log_path = out / "train_log.json"
     if log or not log_path.exists():
         log_path.write_text(json.dumps({**summary, "losses": {"first_step": step_start, "loss": log}, "args": vars(args)},
@@ -162,6 +176,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="checkpoint folder (default: ~/.cache/specflash/train/local-head-<model>)")
     p.add_argument("--hold-out", default=[], type=lambda s: [x for x in s.split(",") if x], metavar="SHARD,...",
                    help="shard files left out of training and scored at the end (held_out_loss)")
+    p.add_argument("--baseline", default=[], type=lambda s: [x for x in s.split(",") if x], metavar="HEAD,...",
+                   help="existing head folders scored on the same held-out blocks (baseline_held_out_loss)")
     p.add_argument("--held-out-blocks", type=int, default=2048, help="at most this many held-out blocks are scored")
     p.add_argument("--export", default=None, help="write the fp16 head here when done (e.g. assets/heads/...)")
     p.add_argument("--block-size", type=int, default=16)
