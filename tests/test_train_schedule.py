@@ -33,3 +33,16 @@ def test_with_minutes_the_decay_follows_whichever_is_further():
     assert by_clock == pytest.approx(1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * 0.5))))
     assert learning_rate(a, 20, 100, seconds=600) == pytest.approx(1e-4)  # the clock ran out: the low rate
     assert learning_rate(a, 5, 100, seconds=600) == pytest.approx(6e-4)  # warmup stays by steps
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "fp32")])
+def test_auto_precision_uses_bf16_only_where_the_cpu_multiplies_it(monkeypatch, native, expected):
+    """Emulated bf16 autocast made a CPU step 30x slower: auto must fall back to fp32 there."""
+    from specflash.training import dflash, dflash2
+
+    monkeypatch.setattr(dflash, "bf16_matrix_units", lambda: native)
+    base = ["--model", "m", "--data", "d"]
+    assert dflash.parse_args(base).precision == expected
+    assert dflash2.parse_args([*base, "--init-from", "x"]).precision == expected
+    assert dflash.parse_args([*base, "--precision", "fp32"]).precision == "fp32"  # an explicit choice stands
+    assert dflash.parse_args([*base, "--precision", "bf16"]).precision == "bf16"

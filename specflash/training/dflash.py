@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from ..errors import SpecFlashError
 from ..models.dflash import DFlashDrafter, DFlashSpec, default_target_layers, loss_weights
-from ..models.dflash_io import (load_state, new_drafter, pick_mask_token, read_config, read_draft_ids, save_drafter,
-                                spec_from_config)
+from ..models.dflash_io import (bf16_matrix_units, load_state, new_drafter, pick_mask_token, read_config, read_draft_ids,
+                                save_drafter, spec_from_config)
 from .dflash_init import can_grow, grow_from, init_from_target
 from .draft_vocab import frequent_tokens
 from ..models.target import TargetModel
@@ -92,9 +92,19 @@ def add_hold_out_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_precision_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="matmuls under bf16 autocast (weights and optimizer stay fp32; on a CPU with bf16 matrix "
-                        "units a step ran 2x faster at the same loss, docs/dflash.md), or all fp32")
+                        "units a step ran 2x faster at the same loss, docs/dflash.md), or all fp32; auto: bf16 on "
+                        "CUDA and on CPUs with bf16 matrix units, fp32 elsewhere")
+
+
+def resolve_precision(args: argparse.Namespace) -> None:
+    """`--precision auto` made concrete for this machine. Why: on a CPU without bf16 matrix units
+    (AVX2 only) autocast emulates bf16, and a step that took 1.2 s on an AVX-512 BF16 machine
+    took 35 s; the run must not depend on which machine it happens to land on."""
+    if args.precision == "auto":
+        native = torch.cuda.is_bf16_supported() if args.device == "cuda" else bf16_matrix_units()
+        args.precision = "bf16" if native else "fp32"
 
 
 EPOCHS_HELP = "passes over the data (default: 1, or unbounded when --steps is given)"
@@ -452,6 +462,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     default_epochs(args)
+    resolve_precision(args)
     for flag in ("layers", "feature_layers", "anchors", "seqs_per_step", "epochs", "save_every", "log_every",
                  "validate_samples"):
         if getattr(args, flag) < 1:

@@ -48,7 +48,7 @@ from ..models.dflash_io import DFLASH2_KEYS, load_drafter, save_drafter
 from ..models.target import TargetModel
 from .data import load_training_target
 from .dflash import (CHECKPOINT, EPOCHS_HELP, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg,
-                     add_precision_arg, default_epochs, learning_rate)
+                     add_precision_arg, default_epochs, learning_rate, resolve_precision)
 from .dflash2_objective import combine, sequence_terms
 from .dflash_objective import sample_anchors
 from .entry import run_script
@@ -217,6 +217,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     default_epochs(args)
+    resolve_precision(args)
     for flag in ("anchors", "seqs_per_step", "epochs", "save_every", "log_every"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
