@@ -135,6 +135,18 @@ def append_shard(out: Path, manifest: dict, samples: Sequence[Sample], mode: str
     return path
 
 
+def shard_entries(data_dirs: Sequence[Path], hold_out: Sequence[str] = ()) -> list[tuple[Path, dict]]:
+    """(folder, manifest entry) of every finished shard, in manifest order, but those whose file
+    name is in `hold_out`."""
+    entries = []
+    for d in map(Path, data_dirs):
+        manifest = read_manifest(d)
+        if manifest is None:
+            raise SpecFlashError(f"{d} has no {MANIFEST}; make data with python -m specflash.training.data")
+        entries += [(d, s) for s in manifest["shards"] if s["file"] not in hold_out]
+    return entries
+
+
 def load_shards(directory: Path | str) -> list[Sample]:
     """Every finished sample in a data folder, shard by shard as the manifest lists them."""
     directory = Path(directory)

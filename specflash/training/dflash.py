@@ -35,7 +35,7 @@ from ..models.dflash_io import (bf16_matrix_units, load_state, new_drafter, pick
 from .dflash_init import can_grow, grow_from, init_from_target
 from .draft_vocab import frequent_tokens
 from ..models.target import TargetModel
-from .data import MANIFEST, load_training_target, read_shard
+from .data import load_training_target, read_shard, shard_entries
 from .dflash_features import shard_features
 from .entry import run_script
 from .dflash_objective import Teacher, make_sequence, sample_anchors, sequence_loss
@@ -58,23 +58,10 @@ class Progress:
     shards: list[str] = field(default_factory=list)  # this epoch's shards, in training order
 
 
-def _shard_entries(data_dirs: Seq[Path], hold_out: Seq[str]) -> list[tuple[Path, dict]]:
-    """(folder, manifest entry) of every finished shard, in manifest order, but those whose file
-    name is in `hold_out`."""
-    entries = []
-    for d in data_dirs:
-        manifest = Path(d) / MANIFEST
-        if not manifest.is_file():
-            raise SpecFlashError(f"{d} has no {MANIFEST}; make data with python -m specflash.training.data")
-        entries += [(Path(d), s) for s in json.loads(manifest.read_text(encoding="utf-8"))["shards"]
-                    if s["file"] not in hold_out]
-    return entries
-
-
 def shard_paths(data_dirs: Seq[Path], hold_out: Seq[str] = ()) -> list[Path]:
     """Every finished shard of every data folder, in manifest order, but those whose file name is
     in `hold_out`."""
-    paths = [d / s["file"] for d, s in _shard_entries(data_dirs, hold_out)]
+    paths = [d / s["file"] for d, s in shard_entries(data_dirs, hold_out)]
     if not paths:
         raise SpecFlashError("no finished shards in " + ", ".join(map(str, data_dirs)))
     return paths
@@ -254,7 +241,7 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int, voca
 
 def _total_steps(args, data_dirs: Seq[Path]) -> int:
     """`--steps`, or enough steps for `--epochs` passes over every sample."""
-    samples = sum(len(s["ids"]) for _, s in _shard_entries(data_dirs, args.hold_out))
+    samples = sum(len(s["ids"]) for _, s in shard_entries(data_dirs, args.hold_out))
     return args.steps or max(1, args.epochs * math.ceil(samples / args.seqs_per_step))
 
 

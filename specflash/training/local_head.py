@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..errors import SpecFlashError
 from ..models.local_head import LocalHead, LocalHeadSpec, build_local_head, load_local_head, save_local_head
-from .data import Sample, read_manifest, read_shard
+from .data import Sample, read_shard, shard_entries
 
 
 def unigram_log_prior(samples: Sequence[Sample], vocab_size: int) -> torch.Tensor:
@@ -53,12 +53,8 @@ def split_by_shard(dirs: Sequence[Path], hold_out: Sequence[str]) -> tuple[list[
     """(training, held-out) samples of the data folders: shards named in `hold_out` are held out,
     the same shard names the drafter's trainer holds out, so one split serves both."""
     train, held = [], []
-    for d in dirs:
-        manifest = read_manifest(d)
-        if manifest is None:
-            raise SpecFlashError(f"{d} has no manifest; make data with python -m specflash.training.harvest")
-        for shard in manifest["shards"]:
-            (held if shard["file"] in hold_out else train).extend(read_shard(d / shard["file"]))
+    for d, shard in shard_entries(dirs):
+        (held if shard["file"] in hold_out else train).extend(read_shard(d / shard["file"]))
     if hold_out and not held:
         raise SpecFlashError(f"none of the --hold-out shards {list(hold_out)} is in the data folders")
     return train, held
