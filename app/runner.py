@@ -138,8 +138,8 @@ class Runner:
 
 def step_ids(step: StepRecord) -> list[int]:
     """Every token id a step's views may show: draft, correction, committed, and those inside
-    method extras (PTD draft trees, AdaFlash cut tokens)."""
-    ids = [*step.tokens, step.correction, *step.committed]
+    method extras (PTD draft trees, AdaFlash cut tokens, a gate's shadow draft)."""
+    ids = [*step.tokens, step.correction, *step.committed, *(step.extras or {}).get("shadow", [])]
     ptd = step.extras.get("ptd") if step.extras else None
     if ptd:
         ids += ptd["draft_before"]["tokens"] + ptd["draft_after"]["tokens"]

@@ -306,7 +306,7 @@ def step_table_html(step: StepRecord, texts: Mapping[int, str], temperature: flo
     return f'<div class="step-inspector"><p>{stop_summary(step, texts, temperature)}</p>{rule}{table}</div>'
 
 
-def no_draft_reason(step: StepRecord) -> str:
+def no_draft_reason(step: StepRecord, texts: Mapping[int, str] | None = None) -> str:
     """Why a step verified no draft: the prefill, the draft gate's reason, or an empty proposal."""
     if step.phase == "prefill":
         return "the prefill (the prompt forward yields the first new token)"
@@ -314,9 +314,10 @@ def no_draft_reason(step: StepRecord) -> str:
     if gate and gate["state"] == "off":
         return f"the draft gate was off ({gate['reason']})"
     if gate and gate["state"] == "shadow":
-        shadow = len(step.extras.get("shadow", []))
-        return (f"the draft gate was off and drew a shadow draft of {shadow} tokens, not verified: it is scored "
-                "against the tokens the target commits next")
+        known = "".join(token_text(texts or {}, t) for t in step.extras.get("shadow", []))
+        return (f"the draft gate was off and drew a shadow draft {gate['width']} tokens deep, starting {known!r}, "
+                "not verified: it is scored against the tokens the target commits next (each later token drafted "
+                "only once the ones before it matched)")
     return "the drafter proposed nothing"
 
 
@@ -324,7 +325,7 @@ def _no_draft_figure(step: StepRecord, texts: Mapping[int, str]) -> go.Figure:
     """A step without a draft has no bars to draw: say so in words on blank, axis-less paper."""
     added = html.escape(repr(token_text(texts, step.correction)))
     fig = go.Figure()
-    fig.add_annotation(text=f"<b>no draft this step</b>: {html.escape(no_draft_reason(step))}"
+    fig.add_annotation(text=f"<b>no draft this step</b>: {html.escape(no_draft_reason(step, texts))}"
                             f"<br>the target added {added} (p={step.correction_p:.3f})",
                        x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#444"))
     fig.update_layout(title=f"step {step.step}: no draft", xaxis=dict(visible=False), yaxis=dict(visible=False),

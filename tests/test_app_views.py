@@ -105,9 +105,9 @@ def test_step_inspector_says_why_the_draft_gate_drafted_nothing():
     assert "Draft gate probe: drafting off for 8 steps" in views.stop_summary(probe, {})
     shadow = chain_step(tokens=[], parents=[], q=None, p=[], accepted=[], correction_kind="target", committed=[9],
                         verified=1, extras={"gate": {**off, "state": "shadow", "width": 3, "reason": "a shadow draft"},
-                                            "shadow": [1, 2, 3]})
+                                            "shadow": [1]})
     assert views.gate_summary([skipped, skipped, probe, shadow]) == "on 0, off 2, probe 1, shadow 1 steps"
-    assert "shadow draft of 3 tokens" in views.no_draft_reason(shadow)
+    assert "shadow draft 3 tokens deep, starting ' the'" in views.no_draft_reason(shadow, {1: " the"})
     assert views.gate_summary([chain_step()]) is None
 
 

@@ -132,3 +132,23 @@ def test_frequent_tokens_and_their_coverage_on_other_shards(tmp_path):
     other = shard("b.safetensors", [[7, 3, 5, 5], [9]])
     assert frequent_tokens([chosen], 2, 16).tolist() == [3, 7]
     assert coverage([chosen], [other], [1, 2, 3], 16) == {1: 1 / 5, 2: 2 / 5, 3: 3 / 5}
+
+
+def test_draft_probs_are_the_full_softmax_restricted_to_the_draft_vocabulary(tiny_targets):
+    from specflash.drafters.dflash import argmax_chain
+
+    target = tiny_targets["qwen3"]
+    ids = spread_ids(target, 25)
+    model = vocab_drafter(target, ids)
+    hidden = torch.randn(3, target.hidden_size)
+    probs, columns = model.draft_probs(hidden)
+    full = torch.softmax(model.logits(hidden).float(), dim=-1)  # [3, V], 0 outside the vocabulary
+    assert columns.tolist() == ids and probs.shape == (3, len(ids))
+    assert torch.allclose(probs, full[:, ids], atol=1e-6) and torch.allclose(probs.sum(-1), torch.ones(3))
+    tokens, q = argmax_chain(probs, columns)  # back in target ids
+    assert tokens == full.argmax(-1).tolist() and set(tokens) <= set(ids)
+    assert q == pytest.approx(full.max(-1).values.tolist(), abs=1e-6)
+    whole = new_drafter(make_spec(target), target).eval()
+    probs, columns = whole.draft_probs(hidden)
+    assert columns is None and probs.shape == (3, target.vocab_size)
+    assert argmax_chain(probs, columns)[0] == whole.logits(hidden).argmax(-1).tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import LOSSLESS_ARCHS, hf_greedy
 from specflash.api import generate
@@ -116,8 +117,10 @@ def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, a
     target = tiny_targets[arch]
     prompt_ids = target.tokenizer(PROMPT)["input_ids"]
     model = _useless(target, prompt_ids, 60)
-    forwards = []
+    forwards, head_rows = [], []
     model.register_forward_hook(lambda *_: forwards.append(1))
+    draft_probs = model.draft_probs
+    monkeypatch.setattr(model, "draft_probs", lambda hidden: head_rows.append(len(hidden)) or draft_probs(hidden))
     cfg = {"dflash": DFlashConfig(probe_every=4), "adaflash": AdaFlashConfig(probe_every=4, rule="fixed", fixed_len=7)}
     drafter = {"dflash": DFlashEngineDrafter, "adaflash": AdaFlashDrafter}[method](model, cfg[method], STEEP)
     run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=60)
@@ -132,8 +135,14 @@ def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, a
     assert set(states) == {"off", "shadow"}  # once off, it never verified a drafted token again
     assert all(s.tokens == [] and s.verified == 1 and len(s.committed) == 1 for s in decode)
     shadows = [s for s, state in zip(decode, states) if state == "shadow"]
-    # full blocks (fewer only where the budget ends), scored later, never verified
-    assert len(shadows[0].extras["shadow"]) == 7 and all(1 <= len(s.extras["shadow"]) <= 7 for s in shadows)
+    # full blocks (fewer only where the budget ends), scored later, never verified; the trace
+    # keeps the one token computed when drafting (the rest only as the gate reaches them)
+    widths = [s.extras["gate"]["width"] for s in shadows]
+    assert widths[0] == 7 and all(1 <= w <= 7 for w in widths)
+    assert all(len(s.extras["shadow"]) == 1 for s in shadows)
+    # the head ran for every verified drafted slot, and for one slot per shadow: the first missed
+    every_shadow = [g for g in gates if g["state"] == "shadow"]
+    assert sum(head_rows) == sum(g["width"] for g in gates if g["state"] in ("on", "probe")) + len(every_shadow)
     assert len(forwards) == len(run.steps) - 1 - len(decode) + len(shadows)  # then on the shadows only
     assert 3 <= len(shadows) <= 5  # every 4 steps, doubling to the 16-step cap while they fail
     # one target forward per committed token
@@ -220,3 +229,19 @@ def test_gate_stops_drafting_when_this_run_pays_more_than_the_cached_curve(monke
     gate.accept = uncalibrated.accept = [0.4, 0.3, 0.3]
     assert gate.decide(3).state in ("off", "shadow")
     assert uncalibrated.decide(3).state == "on"  # what the cached curve alone would have done
+
+
+def test_a_shadow_chain_computes_each_token_when_read_and_matches_the_eager_draft(tiny_targets):
+    from specflash.drafters.dflash import ShadowChain, argmax_chain
+    from test_draft_vocab import spread_ids
+
+    target = tiny_targets["llama"]
+    model = vocab_drafter(target, spread_ids(target, 30), feature_layers=(1,))
+    hidden = torch.randn(6, target.hidden_size)
+    chain = ShadowChain(model, hidden)
+    assert len(chain) == 6 and chain.known == []
+    eager = argmax_chain(*model.draft_probs(hidden))[0]
+    assert chain[2] == eager[2] and chain.known == eager[:3]  # positions up to the one read
+    assert list(chain) == eager
+    with pytest.raises(IndexError):
+        chain[6]

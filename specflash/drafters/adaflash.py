@@ -36,7 +36,7 @@ from ..trace import RunRecord, StepRecord
 from ..tree import DraftTree
 from ..verify_cost import best_cut, cached_verify_cost
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder, load_dflash_model
+from .dflash import DFlashConfig, DFlashEngineDrafter, argmax_chain, drafter_folder, load_dflash_model
 
 RULES = ("cost", "fixed", "heuristic", "confidence", "entropy", "head")
 ESTIMATES = ("confidence", "head")
@@ -92,8 +92,9 @@ def cut_length(
     rule: str, probs: torch.Tensor, cfg: AdaFlashConfig, cost: list[float] | None, window: int,
     score: float | None = None, block_size: int | None = None,
 ) -> int:
-    """How many of the drafted tokens (rows of probs [k, V]) to verify, before clamping. The
-    `head` rule needs the length head's `score` r and the drafter's `block_size` L."""
+    """How many of the drafted tokens (rows of probs: [k, V], or [k, N] over a draft vocabulary)
+    to verify, before clamping. The `head` rule needs the length head's `score` r and the
+    drafter's `block_size` L."""
     k = probs.shape[0]
     conf = probs.max(dim=-1).values.tolist()
     if rule == "head":
@@ -130,9 +131,8 @@ class AdaFlashDrafter(DFlashEngineDrafter):
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         hidden = self.block_hidden(context)  # [L, H]
-        probs = torch.softmax(self.model.logits(hidden[1 : k + 1]).float(), dim=-1)  # [k, V], the full block
-        best = probs.max(dim=-1)
-        tokens = best.indices.tolist()
+        probs, ids = self.model.draft_probs(hidden[1 : k + 1])  # [k, N or V], the full block
+        tokens, q = argmax_chain(probs, ids)
         score = float(self.head(hidden[None])[0]) if self.head is not None else None
         L = self.spec.block_size
         cost = self.gate.cost if self.gate is not None else self.cost  # the gate's, calibrated in this run
@@ -141,11 +141,11 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         draft = Draft(
             DraftTree.chain(tokens[:keep]),
             q=None,
-            q_token=best.values.tolist()[:keep],
+            q_token=q[:keep],
             extras={
                 "dflash": {"block_size": self.spec.block_size},
                 "adaflash": {"rule": self.cfg.rule, "score": score, "verify_len": keep + 1, "cut_tokens": tokens[keep:],
-                             "cut_q": best.values.tolist()[keep:]},
+                             "cut_q": q[keep:]},
             },
         )
         return draft

@@ -107,6 +107,7 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
 
 class DeLSDrafter(DFlashEngineDrafter):
     name = "dels"
+    shadows_argmax_chain = False  # its chain is fused with the local head
 
     def __init__(self, model, cfg: DeLSConfig, head: LocalHead, cost: list[float] | None = None) -> None:
         super().__init__(model, cfg, cost)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ class DFlashConfig:
 
 class DFlashEngineDrafter(Drafter):
     name = "dflash"
+    shadows_argmax_chain = True  # its drafts (before any cut) are DFlash's per-slot argmax chain
 
     def __init__(self, model: DFlashDrafter, cfg: DFlashConfig, cost: list[float] | None = None) -> None:
         """`cost`: the device's verify-cost curve (verify_cost.py), which the draft gate needs."""
@@ -111,35 +113,44 @@ class DFlashEngineDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_len: int) -> Draft:
-        """The gate fixes the width k; `draft_block` drafts it (nothing at all when k is 0)."""
+        """The gate fixes the width k; `draft_block` drafts it (nothing at all when k is 0), or
+        a shadow draft is kept for the gate to score and nothing is verified."""
         started = time.perf_counter()
         k, decision = self.step_width(context, max_len)
-        draft = self.draft_block(context, k) if k > 0 else Draft.empty()
         if decision is not None and decision.state == "shadow":
-            draft = self.shadow(context, draft)
+            draft = self.shadow(context, k)
+        else:
+            draft = self.draft_block(context, k) if k > 0 else Draft.empty()
         return self.gated(draft, decision, started)
 
-    def shadow(self, context: list[int], draft: Draft) -> Draft:
-        """Keep the drafted chain for the gate to score later, and verify nothing this step."""
-        tokens = list(draft.tree.tokens) if draft.tree.is_chain else []
+    def shadow(self, context: list[int], k: int) -> Draft:
+        """Hand the gate a shadow chain of depth k to score later; verify nothing this step. The
+        trace keeps the tokens known now (a lazy chain's first)."""
+        tokens = self.shadow_tokens(context, k)
         self.gate.shadowed(len(context), tokens)
-        return Draft(DraftTree((), ()), extras={"shadow": tokens} if tokens else {})
+        known = list(tokens.known) if isinstance(tokens, ShadowChain) else list(tokens)
+        return Draft(DraftTree((), ()), extras={"shadow": known} if known else {})
+
+    def shadow_tokens(self, context: list[int], k: int) -> Sequence[int]:
+        """DFlash's argmax chain, each token computed when the gate reaches its position; a
+        method whose drafts are another chain (`shadows_argmax_chain` False) drafts in full."""
+        if not self.shadows_argmax_chain:
+            draft = self.draft_block(context, k)
+            return list(draft.tree.tokens) if draft.tree.is_chain else []
+        chain = ShadowChain(self.model, self.block_hidden(context)[1 : k + 1])
+        chain[0]  # the first position is always scored: compute it now, for the trace
+        return chain
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         """k >= 1 drafted tokens after the context; each DFlash-family method drafts its own way."""
         # Slots 1..k of one block forward predict the next k tokens; propose their argmax as a chain.
-        probs = torch.softmax(self.block_logits(context, k).float(), dim=-1)  # [k, V]
-        best = probs.max(dim=-1)
+        tokens, q = argmax_chain(*self.model.draft_probs(self.block_hidden(context)[1 : k + 1]))
         return Draft(
-            DraftTree.chain(best.indices.tolist()),
+            DraftTree.chain(tokens),
             q=None,
-            q_token=best.values.tolist(),
+            q_token=q,
             extras={"dflash": {"block_size": self.spec.block_size}},
         )
-
-    def block_logits(self, context: list[int], k: int) -> torch.Tensor:
-        """DFlash's logits [k, V] for the k positions after the context, from one forward pass."""
-        return self.model.logits(self.block_hidden(context)[1 : k + 1])
 
     def block_hidden(self, context: list[int]) -> torch.Tensor:
         """The drafter's final-normed hidden states [L, H] of the block after the context, from
@@ -168,6 +179,39 @@ class DFlashEngineDrafter(Drafter):
     def config_dict(self) -> dict[str, Any]:
         return {**asdict(self.cfg), "block_size": self.spec.block_size,
                 "target_layer_ids": list(self.feature_layers), "draft_layers": self.spec.num_layers}
+
+
+def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[int], list[float]]:
+    """Per row of `probs` (draft_probs: columns are `ids`, or target ids when None) the most
+    probable target token and its probability."""
+    best = probs.max(dim=-1)
+    tokens = best.indices if ids is None else ids[best.indices]
+    return tokens.tolist(), best.values.tolist()
+
+
+class ShadowChain(Sequence[int]):
+    """A shadow draft's argmax chain whose tokens are computed only when the gate scores their
+    positions. Why: the gate stops scoring at the first miss, so where the drafter cannot predict
+    the text (where the gate is off, the shadow's only use) it reads one or two of the block's
+    positions, and the head, about half a drafter block's cost on a CPU, runs for those rows only.
+    The block's hidden states are fixed when it is drafted, so each token is exactly the one an
+    eager draft would have proposed."""
+
+    def __init__(self, model: DFlashDrafter, hidden: torch.Tensor) -> None:
+        self.model, self.hidden = model, hidden  # hidden [k, H], the block's drafted slots
+        self.known: list[int] = []
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    @torch.inference_mode()
+    def __getitem__(self, index: int) -> int:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(f"shadow position {index} outside a chain of {len(self)}")
+        while len(self.known) <= index:
+            row = self.hidden[len(self.known)][None]
+            self.known.extend(argmax_chain(*self.model.draft_probs(row))[0])
+        return self.known[index]
 
 
 CONFIG = DFlashConfig

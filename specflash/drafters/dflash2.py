@@ -47,6 +47,7 @@ class DFlash2Config(DFlashConfig):
 
 class DFlash2EngineDrafter(DFlashEngineDrafter):
     name = "dflash2"
+    shadows_argmax_chain = False  # its chain is the selector's path
 
     def __init__(self, model: DFlash2Drafter, cfg: DFlash2Config, cost: list[float] | None = None) -> None:
         if not isinstance(model, DFlash2Drafter):

@@ -7,7 +7,8 @@ prompts, side by side: the median `verify_time` of plain decoding's steps and th
 `draft_time` of DFlash's steps (drafting every step, no gate), with the drafter's draft
 vocabulary in the dtype the engine picks (models/dflash_io.py drafter_dtype) and, for comparison,
 in float32 as the target, with the target's full LM head and with PyTorch's stock matmuls in
-place of the row kernels the target measured (models/row_kernels.py).
+place of the row kernels the target measured (models/row_kernels.py); and what the draft gate's
+shadow draft costs where the drafter misses (the block forward, the head for its first slot only).
 
     python -m specflash.training.drafter_cost --model smollm2-135m --drafter FOLDER [--out cost.json]
 """
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..drafters.base import Draft
+from ..drafters.dflash import DFlashEngineDrafter
 from ..metrics import decode_steps
 from ..prompts import DOMAINS, heldout_prompts
 from .entry import run_script
@@ -31,7 +34,7 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
     """Median milliseconds of a target step and of a drafter block (as the engine loads it; with
     stock matmuls; with the full vocabulary)."""
     from ..api import encode_prompt, generate
-    from ..drafters.dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder, load_dflash_model
+    from ..drafters.dflash import DFlashConfig, drafter_folder, load_dflash_model
     from ..models.dflash_io import load_drafter
 
     model = load_dflash_model(target, drafter, "drafter_cost", "auto")
@@ -40,6 +43,7 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
     full = load_dflash_model(target, drafter, "drafter_cost")
     full.draft_ids = None
     engines = {"draft_vocab": DFlashEngineDrafter(model, DFlashConfig(gate=False)),
+               "shadow": _ShadowEveryStep(model, DFlashConfig(gate=False)),
                "target_dtype": DFlashEngineDrafter(same, DFlashConfig(gate=False)),
                "stock_kernels": DFlashEngineDrafter(stock, DFlashConfig(gate=False)),
                "full_vocab": DFlashEngineDrafter(full, DFlashConfig(gate=False))}
@@ -60,9 +64,19 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
             "block_target_dtype_fraction": ms["target_dtype"] / ms["target_step"],
             "block_stock_kernels_ms": ms["stock_kernels"],
             "block_stock_kernels_fraction": ms["stock_kernels"] / ms["target_step"],
+            "shadow_ms": ms["shadow"], "shadow_fraction": ms["shadow"] / ms["target_step"],
             "row_kernel_rows": sorted(target.weight_left_rows),
             "block_full_vocab_fraction": ms["full_vocab"] / ms["target_step"],
             "draft_vocab_size": vocab, "samples": len(times["target_step"]), "threads": torch.get_num_threads()}
+
+
+class _ShadowEveryStep(DFlashEngineDrafter):
+    """Draws a shadow draft every step and verifies nothing: its draft_time is one shadow's cost
+    where the drafter misses (the gate reads the first slot, stops there)."""
+
+    def draft_block(self, context: list[int], k: int) -> Draft:
+        self.shadow_tokens(context, k)
+        return Draft.empty()
 
 
 def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
@@ -83,7 +97,8 @@ def report(args: argparse.Namespace) -> dict:
                      args.max_new_tokens)
     print(f"target step {result['target_step_ms']:.1f} ms | drafter block {result['block_ms']:.1f} ms "
           f"({100 * result['block_fraction']:.0f}% of a step, {result['draft_vocab_size']} draft tokens, "
-          f"{result['block_dtype']}) | in the target's dtype {result['block_target_dtype_ms']:.1f} ms "
+          f"{result['block_dtype']}) | a shadow that misses {result['shadow_ms']:.1f} ms "
+          f"({100 * result['shadow_fraction']:.0f}%) | in the target's dtype {result['block_target_dtype_ms']:.1f} ms "
           f"({100 * result['block_target_dtype_fraction']:.0f}%) | "
           f"stock matmuls {result['block_stock_kernels_ms']:.1f} ms "
           f"({100 * result['block_stock_kernels_fraction']:.0f}%) | "
