@@ -231,17 +231,33 @@ def test_gate_stops_drafting_when_this_run_pays_more_than_the_cached_curve(monke
     assert uncalibrated.decide(3).state == "on"  # what the cached curve alone would have done
 
 
-def test_a_shadow_chain_computes_each_token_when_read_and_matches_the_eager_draft(tiny_targets):
-    from specflash.drafters.dflash import ShadowChain, argmax_chain
+@pytest.mark.parametrize("method", ["dflash", "adaflash", "dels"])
+def test_a_shadow_chain_is_the_eager_draft_computed_as_it_is_read(tiny_targets, method):
+    from specflash.drafters.dels import DeLSConfig, DeLSDrafter
+    from specflash.drafters.dflash import ShadowChain
+    from test_dels import random_head
     from test_draft_vocab import spread_ids
 
     target = tiny_targets["llama"]
     model = vocab_drafter(target, spread_ids(target, 30), feature_layers=(1,))
-    hidden = torch.randn(6, target.hidden_size)
-    chain = ShadowChain(model, hidden)
-    assert len(chain) == 6 and chain.known == []
-    eager = argmax_chain(*model.draft_probs(hidden))[0]
-    assert chain[2] == eager[2] and chain.known == eager[:3]  # positions up to the one read
-    assert list(chain) == eager
+    drafter = {"dflash": lambda: DFlashEngineDrafter(model, DFlashConfig(gate=False)),
+               "adaflash": lambda: AdaFlashDrafter(model, AdaFlashConfig(gate=False, rule="fixed", fixed_len=7)),
+               "dels": lambda: DeLSDrafter(model, DeLSConfig(gate=False, alpha=0.7, beta=0.3), random_head(target))}[method]()
+    prompt_ids = target.tokenizer(PROMPT)["input_ids"]
+    run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=9, stop_on_eos=False)
+    context = prompt_ids + run.output_ids  # the drafter has observed every position but the last
+    rows = []  # head rows computed: per position one (dels: and the local head's readout)
+    head = model.draft_logits
+    model.draft_logits = lambda hidden: rows.append(len(hidden)) or head(hidden)
+    per_position = 2 if method == "dels" else 1
+    with torch.inference_mode():  # as the engine's propose runs it
+        chain = drafter.shadow_tokens(context, 6)
+        assert isinstance(chain, ShadowChain) and len(chain) == 6 and chain.known == [chain[0]]
+        assert rows == [1] * per_position
+        # the same block drafted eagerly (nothing new was observed); adaflash's chain before its cut
+        eager = (DFlashEngineDrafter.draft_block(drafter, context, 6) if method == "adaflash"
+                 else drafter.draft_block(context, 6)).tree.tokens
+        assert chain[2] == eager[2] and chain.known == list(eager[:3])  # up to the position read, no further
+        assert list(chain) == list(eager)
     with pytest.raises(IndexError):
         chain[6]

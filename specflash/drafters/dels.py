@@ -13,7 +13,7 @@ engine's verification keeps the method lossless at every temperature.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from ..errors import MethodConfigError
 from ..models.local_head import LocalHead, load_local_head
 from ..tree import DraftTree
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter, gate_cost, load_dflash_model
+from .dflash import DFlashConfig, DFlashEngineDrafter, ShadowChain, gate_cost, load_dflash_model
 
 _TOP = 3  # alternatives kept in the trace per drafted token
 
@@ -66,59 +66,93 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
     win the full rule only when the short expert outweighs the long one's margin; the draft is
     verified either way, so this changes speed, never the output. 0 fuses every token.
     Returns target token ids, fused probabilities and the trace."""
-    k = long_logits.shape[0]
-    device = long_logits.device
-    prior = head.log_prior.to(device)
-    if vocab is not None:
-        vocab = vocab.to(device)
-        prior = prior[vocab]
-    target_id = (lambda i: int(vocab[i])) if vocab is not None else int
+    return collect_fused(fuse_positions(iter(long_logits), head, root, alpha, beta, vocab, readout, candidates))
+
+
+def collect_fused(positions: Iterator[dict[str, Any]]) -> dict[str, Any]:
+    """fuse_positions' records as one block: target token ids, fused probabilities, the trace."""
     tokens, q, trace = [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
-    state, last = None, root
-    for i in range(k):
-        base = long_logits[i] - beta * prior
+    for position in positions:
+        tokens.append(position.pop("token"))
+        q.append(position.pop("q"))
+        for key, value in position.items():
+            trace[key].append(value)
+    return {"tokens": tokens, "q": q, "trace": trace}
+
+
+def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int, alpha: float, beta: float,
+                   vocab: torch.Tensor | None = None,
+                   readout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   candidates: int = 0) -> Iterator[dict[str, Any]]:
+    """fuse_block one position at a time, each from the next of `long_rows` (DFlash's logits for
+    that slot, [V] or [N]), pulled only when that position is asked for: a shadow draft that
+    misses early never computes the rest (drafters/dflash.py ShadowChain)."""
+    prior, state, last = None, None, root
+    for row in long_rows:
+        if prior is None:
+            prior = head.log_prior.to(row.device)
+            if vocab is not None:
+                vocab = vocab.to(row.device)
+                prior = prior[vocab]
+        target_id = (lambda i: int(vocab[i])) if vocab is not None else int
+        base = row - beta * prior
         pool = base.topk(candidates).indices if 0 < candidates < base.numel() else None  # indices into base
         index = int if pool is None else (lambda j, pool=pool: int(pool[j]))  # fused position -> base index
         scores = base if pool is None else base[pool]
         if alpha:
             rows = readout if pool is None else head.readout_rows(pool if vocab is None else vocab[pool])
-            short, state = head(torch.tensor([[last]], device=device), state, rows)
+            short, state = head(torch.tensor([[last]], device=row.device), state, rows)
             short = short[0, -1]  # over the pool, or every token
         else:
             short = torch.zeros_like(scores)
         fused = scores + alpha * short
         j = int(fused.argmax())
         best = index(j)
-        token = target_id(best)
-        tokens.append(token)
-        q.append(float(torch.softmax(fused, -1)[j]))
-        trace["long"].append(float(long_logits[i, best]))
-        trace["short"].append(float(alpha * short[j]))
-        trace["prior"].append(float(-beta * prior[best]))
-        trace["flipped"].append(best != int(long_logits[i].argmax()))
-        trace["alternatives"].append([
-            {"token": target_id(index(a)), "long": float(long_logits[i, index(a)]), "short": float(alpha * short[a]),
-             "prior": float(-beta * prior[index(a)])}
-            for a in fused.topk(min(_TOP, fused.numel())).indices.tolist()
-        ])
-        last = token
-    return {"tokens": tokens, "q": q, "trace": trace}
+        last = target_id(best)
+        yield {
+            "token": last,
+            "q": float(torch.softmax(fused, -1)[j]),
+            "long": float(row[best]),
+            "short": float(alpha * short[j]),
+            "prior": float(-beta * prior[best]),
+            "flipped": best != int(row.argmax()),
+            "alternatives": [
+                {"token": target_id(index(a)), "long": float(row[index(a)]), "short": float(alpha * short[a]),
+                 "prior": float(-beta * prior[index(a)])}
+                for a in fused.topk(min(_TOP, fused.numel())).indices.tolist()
+            ],
+        }
 
 
 class DeLSDrafter(DFlashEngineDrafter):
     name = "dels"
-    shadows_argmax_chain = False  # its chain is fused with the local head
 
     def __init__(self, model, cfg: DeLSConfig, head: LocalHead, cost: list[float] | None = None) -> None:
         super().__init__(model, cfg, cost)
         self.head = head.eval()
 
+    def long_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """DFlash's logits [k, V], or [k, N] over its draft vocabulary, for hidden [k, H]."""
+        vocab = self.model.draft_ids
+        return (self.model.logits(hidden) if vocab is None else self.model.draft_logits(hidden)).float()
+
+    def fusion(self, long_rows: Iterator[torch.Tensor], root: int) -> Iterator[dict[str, Any]]:
+        """fuse_positions with this drafter's head, knobs and draft vocabulary."""
+        vocab = self.model.draft_ids
+        return fuse_positions(long_rows, self.head, root, self.cfg.alpha, self.cfg.beta, vocab,
+                              None if vocab is None else self.model.draft_logits, self.cfg.candidates)
+
+    def shadow_tokens(self, context: list[int], k: int) -> ShadowChain:
+        """The fused chain, each position's long logits and fusion computed when it is scored."""
+        hidden = self.block_hidden(context)[1 : k + 1]
+        fused = self.fusion((self.long_logits(row[None])[0] for row in hidden), context[-1])
+        chain = ShadowChain(k, (position["token"] for position in fused))
+        chain[0]  # the first position is always scored: compute it now, for the trace
+        return chain
+
     def draft_block(self, context: list[int], k: int) -> Draft:
         hidden = self.block_hidden(context)[1 : k + 1]
-        vocab = self.model.draft_ids
-        long_logits = self.model.logits(hidden) if vocab is None else self.model.draft_logits(hidden)  # [k, V | N]
-        fused = fuse_block(long_logits.float(), self.head, context[-1], self.cfg.alpha, self.cfg.beta, vocab,
-                           None if vocab is None else self.model.draft_logits, self.cfg.candidates)
+        fused = collect_fused(self.fusion(iter(self.long_logits(hidden)), context[-1]))
         draft = Draft(
             DraftTree.chain(fused["tokens"]),
             q=None,

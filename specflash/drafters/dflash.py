@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,6 @@ class DFlashConfig:
 
 class DFlashEngineDrafter(Drafter):
     name = "dflash"
-    shadows_argmax_chain = True  # its drafts (before any cut) are DFlash's per-slot argmax chain
 
     def __init__(self, model: DFlashDrafter, cfg: DFlashConfig, cost: list[float] | None = None) -> None:
         """`cost`: the device's verify-cost curve (verify_cost.py), which the draft gate needs."""
@@ -132,12 +131,10 @@ class DFlashEngineDrafter(Drafter):
         return Draft(DraftTree((), ()), extras={"shadow": known} if known else {})
 
     def shadow_tokens(self, context: list[int], k: int) -> Sequence[int]:
-        """DFlash's argmax chain, each token computed when the gate reaches its position; a
-        method whose drafts are another chain (`shadows_argmax_chain` False) drafts in full."""
-        if not self.shadows_argmax_chain:
-            draft = self.draft_block(context, k)
-            return list(draft.tree.tokens) if draft.tree.is_chain else []
-        chain = ShadowChain(self.model, self.block_hidden(context)[1 : k + 1])
+        """The chain a shadow draft hands the gate: DFlash's argmax per slot, each computed when
+        the gate reaches its position (methods that draft another chain override this)."""
+        hidden = self.block_hidden(context)[1 : k + 1]
+        chain = ShadowChain(k, (argmax_chain(*self.model.draft_probs(row[None]))[0][0] for row in hidden))
         chain[0]  # the first position is always scored: compute it now, for the trace
         return chain
 
@@ -190,27 +187,26 @@ def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[in
 
 
 class ShadowChain(Sequence[int]):
-    """A shadow draft's argmax chain whose tokens are computed only when the gate scores their
-    positions. Why: the gate stops scoring at the first miss, so where the drafter cannot predict
-    the text (where the gate is off, the shadow's only use) it reads one or two of the block's
-    positions, and the head, about half a drafter block's cost on a CPU, runs for those rows only.
-    The block's hidden states are fixed when it is drafted, so each token is exactly the one an
-    eager draft would have proposed."""
+    """A shadow draft's chain of `length` tokens, each taken from `tokens` only when the gate
+    scores its position. Why: the gate stops scoring at the first miss, so where the drafter
+    cannot predict the text (where the gate is off, the shadow's only use) it reads one or two of
+    the block's positions, and the per-slot work (the head, about half a drafter block on a CPU;
+    DeLS's fusion) runs for those only. The block's hidden states are fixed when it is drafted, so
+    each token is exactly the one an eager draft would have proposed."""
 
-    def __init__(self, model: DFlashDrafter, hidden: torch.Tensor) -> None:
-        self.model, self.hidden = model, hidden  # hidden [k, H], the block's drafted slots
+    def __init__(self, length: int, tokens: Iterator[int]) -> None:
+        self.length, self._tokens = length, tokens
         self.known: list[int] = []
 
     def __len__(self) -> int:
-        return self.hidden.shape[0]
+        return self.length
 
     @torch.inference_mode()
     def __getitem__(self, index: int) -> int:  # type: ignore[override]
-        if not 0 <= index < len(self):
-            raise IndexError(f"shadow position {index} outside a chain of {len(self)}")
+        if not 0 <= index < self.length:
+            raise IndexError(f"shadow position {index} outside a chain of {self.length}")
         while len(self.known) <= index:
-            row = self.hidden[len(self.known)][None]
-            self.known.extend(argmax_chain(*self.model.draft_probs(row))[0])
+            self.known.append(next(self._tokens))
         return self.known[index]
 
 

@@ -47,13 +47,16 @@ class DFlash2Config(DFlashConfig):
 
 class DFlash2EngineDrafter(DFlashEngineDrafter):
     name = "dflash2"
-    shadows_argmax_chain = False  # its chain is the selector's path
 
     def __init__(self, model: DFlash2Drafter, cfg: DFlash2Config, cost: list[float] | None = None) -> None:
         if not isinstance(model, DFlash2Drafter):
             raise MethodConfigError("method 'dflash2' needs a DFlash 2 drafter (architectures DFlash2DraftModel); "
                                     "run a DFlash drafter with method 'dflash'")
         super().__init__(model, cfg, cost)
+
+    def shadow_tokens(self, context: list[int], k: int) -> list[int]:
+        """The selector's path, drafted in full: it is chosen over the whole lattice at once."""
+        return list(self.draft_block(context, k).tree.tokens)
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         lattice = self.model.lattice(self.block_hidden(context)[1 : k + 1], anchor=context[-1])
