@@ -233,6 +233,16 @@ def _settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def self_prompt_writer(model, tokenizer, count: int, seed: int, path: Path) -> Callable[[], list[Job]]:
+    """What recipe_jobs calls for the `self-prompts` source's requests (written by the target,
+    kept in `path`), with a progress bar; called only when the recipe reaches that source."""
+    def write() -> list[Job]:
+        with tqdm(total=count, unit="request", desc="self-prompts") as bar:
+            return self_prompt_source.self_prompt_jobs(model, tokenizer, count, seed, path, progress=bar.update)
+
+    return write
+
+
 def harvest(args: argparse.Namespace) -> dict:
     """Make the missing samples of the first `--limit` jobs, shard by shard."""
     settings = _settings(args)
@@ -244,15 +254,10 @@ def harvest(args: argparse.Namespace) -> dict:
         print(summary(out))
         return report
     cache = Path(platformdirs.user_cache_dir("specflash")) / "corpora"
-    model = tokenizer = None
-    write_prompts = None
+    model = tokenizer = write_prompts = None
     if self_prompt_source.SOURCE in args.sources:
         model, tokenizer = load_target(args.model, args.device, torch.float32)
-
-        def write_prompts() -> list[Job]:
-            with tqdm(total=args.per_source, unit="request", desc="self-prompts") as bar:
-                return self_prompt_source.self_prompt_jobs(model, tokenizer, args.per_source, args.seed,
-                                                           out / "self-prompts.jsonl", progress=bar.update)
+        write_prompts = self_prompt_writer(model, tokenizer, args.per_source, args.seed, out / "self-prompts.jsonl")
     jobs = recipe_jobs(args.seed, args.per_source, args.sources, cache, write_prompts)[: args.limit]
     done = {sid for shard in manifest["shards"] for sid in shard["ids"]}
     todo = [job for job in jobs if job.sample_id not in done]
