@@ -10,6 +10,7 @@ returned HTML so it renders anywhere (Gradio, a notebook, a file).
 from __future__ import annotations
 
 import html
+import textwrap
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -325,8 +326,8 @@ def _no_draft_figure(step: StepRecord, texts: Mapping[int, str]) -> go.Figure:
     """A step without a draft has no bars to draw: say so in words on blank, axis-less paper."""
     added = html.escape(repr(token_text(texts, step.correction)))
     fig = go.Figure()
-    fig.add_annotation(text=f"<b>no draft this step</b>: {html.escape(no_draft_reason(step, texts))}"
-                            f"<br>the target added {added} (p={step.correction_p:.3f})",
+    reason = "<br>".join(html.escape(line) for line in textwrap.wrap(no_draft_reason(step, texts), 110))
+    fig.add_annotation(text=f"<b>no draft this step</b>:<br>{reason}<br>the target added {added} (p={step.correction_p:.3f})",
                        x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#444"))
     fig.update_layout(title=f"step {step.step}: no draft", xaxis=dict(visible=False), yaxis=dict(visible=False),
                       height=220, margin=dict(l=20, r=20, t=50, b=20), plot_bgcolor="white", showlegend=False)
