@@ -149,13 +149,17 @@ def test_greedy_table_drops_the_ratio_column_and_states_the_rule():
      "the draft gate was off (drafting does not pay)"),
     (step(tokens=[], parents=[], q=None, p=[], accepted=[], correction_kind="target", committed=[5]),
      "the drafter proposed nothing"),
+    (step(tokens=[], parents=[], q=None, p=[], accepted=[], correction_kind="target", committed=[5],
+          extras={"gate": {"state": "shadow", "width": 7, "value": 1.0, "reason": "first step"}, "shadow": [5]}),
+     "the draft gate was off and drew a shadow draft 7 tokens deep"),
 ])
 def test_a_step_without_a_draft_draws_no_bars_and_says_why(no_draft, why):
     fig = views.step_figure(no_draft, TEXTS, 0.0)
     assert fig.data == ()
     assert not fig.layout.xaxis.visible and not fig.layout.yaxis.visible
     (note,) = fig.layout.annotations
-    assert note.text.startswith(f"<b>no draft this step</b>: {why}") and "the target added" in note.text
+    assert note.text.startswith(f"<b>no draft this step</b>:<br>{why}") and "the target added" in note.text
+    assert max(len(line) for line in note.text.split("<br>")) <= 120  # wrapped to fit the plot's width
 
 
 def test_every_legend_swatch_is_the_colour_of_its_bars():
