@@ -7,8 +7,10 @@ prompts, side by side: the median `verify_time` of plain decoding's steps and th
 `draft_time` of DFlash's steps (drafting every step, no gate), with the drafter's draft
 vocabulary in the dtype the engine picks (models/dflash_io.py drafter_dtype) and, for comparison,
 in float32 as the target, with the target's full LM head and with PyTorch's stock matmuls in
-place of the row kernels the target measured (models/row_kernels.py); and what the draft gate's
-shadow draft costs where the drafter misses (the block forward, the head for its first slot only).
+place of the row kernels the target measured (models/row_kernels.py); what the draft gate's
+shadow draft costs where the drafter misses (the block forward, the head for its first slot
+only); and a target step that drafts nothing but captures the drafter's features, as while the
+gate is off.
 
     python -m specflash.training.drafter_cost --model smollm2-135m --drafter FOLDER [--out cost.json]
 """
@@ -47,7 +49,7 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
                "target_dtype": DFlashEngineDrafter(same, DFlashConfig(gate=False)),
                "stock_kernels": DFlashEngineDrafter(stock, DFlashConfig(gate=False)),
                "full_vocab": DFlashEngineDrafter(full, DFlashConfig(gate=False))}
-    times: dict[str, list[float]] = {"target_step": [], **{name: [] for name in engines}}
+    times: dict[str, list[float]] = {"target_step": [], "off_step": [], **{name: [] for name in engines}}
     prompts = [p for d in DOMAINS for p in heldout_prompts(d)[:prompts_per_domain]]
     for prompt in prompts:  # interleaved, so machine noise hits every column alike
         ids = encode_prompt(target, prompt.text)
@@ -56,6 +58,9 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
         for name, engine in engines.items():
             run = generate(target, ids, drafter=engine, max_new_tokens=max_new_tokens, stop_on_eos=False)
             times[name] += [s.draft_time for s in decode_steps(run)][1:]  # the first block warms up
+        run = generate(target, ids, drafter=_ObserveOnly(model, DFlashConfig(gate=False)),
+                       max_new_tokens=max_new_tokens, stop_on_eos=False)
+        times["off_step"] += [s.verify_time for s in decode_steps(run)]
     ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
     vocab = len(model.draft_ids) if model.draft_ids is not None else target.vocab_size
     return {"target_step_ms": ms["target_step"], "block_ms": ms["draft_vocab"], "block_full_vocab_ms": ms["full_vocab"],
@@ -65,6 +70,7 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
             "block_stock_kernels_ms": ms["stock_kernels"],
             "block_stock_kernels_fraction": ms["stock_kernels"] / ms["target_step"],
             "shadow_ms": ms["shadow"], "shadow_fraction": ms["shadow"] / ms["target_step"],
+            "off_step_ms": ms["off_step"], "off_step_ratio": ms["off_step"] / ms["target_step"],
             "row_kernel_rows": sorted(target.weight_left_rows),
             "block_full_vocab_fraction": ms["full_vocab"] / ms["target_step"],
             "draft_vocab_size": vocab, "samples": len(times["target_step"]), "threads": torch.get_num_threads()}
@@ -76,6 +82,14 @@ class _ShadowEveryStep(DFlashEngineDrafter):
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         self.shadow_tokens(context, k)
+        return Draft.empty()
+
+
+class _ObserveOnly(DFlashEngineDrafter):
+    """Never drafts but takes the target's features every step, as DFlash does while its gate is
+    off: its steps' verify_time against plain decoding's is what the DFlash path costs then."""
+
+    def draft_block(self, context: list[int], k: int) -> Draft:
         return Draft.empty()
 
 
@@ -98,7 +112,8 @@ def report(args: argparse.Namespace) -> dict:
     print(f"target step {result['target_step_ms']:.1f} ms | drafter block {result['block_ms']:.1f} ms "
           f"({100 * result['block_fraction']:.0f}% of a step, {result['draft_vocab_size']} draft tokens, "
           f"{result['block_dtype']}) | a shadow that misses {result['shadow_ms']:.1f} ms "
-          f"({100 * result['shadow_fraction']:.0f}%) | in the target's dtype {result['block_target_dtype_ms']:.1f} ms "
+          f"({100 * result['shadow_fraction']:.0f}%) | a step drafting nothing, features captured "
+          f"{result['off_step_ms']:.1f} ms ({result['off_step_ratio']:.2f}x) | in the target's dtype {result['block_target_dtype_ms']:.1f} ms "
           f"({100 * result['block_target_dtype_fraction']:.0f}%) | "
           f"stock matmuls {result['block_stock_kernels_ms']:.1f} ms "
           f"({100 * result['block_stock_kernels_fraction']:.0f}%) | "
