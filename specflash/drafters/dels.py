@@ -88,13 +88,13 @@ def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int
     that slot, [V] or [N]), pulled only when that position is asked for: a shadow draft that
     misses early never computes the rest (drafters/dflash.py ShadowChain)."""
     prior, state, last = None, None, root
+    target_id = (lambda i: int(vocab[i])) if vocab is not None else int
     for row in long_rows:
         if prior is None:
             prior = head.log_prior.to(row.device)
             if vocab is not None:
                 vocab = vocab.to(row.device)
                 prior = prior[vocab]
-        target_id = (lambda i: int(vocab[i])) if vocab is not None else int
         base = row - beta * prior
         pool = base.topk(candidates).indices if 0 < candidates < base.numel() else None  # indices into base
         index = int if pool is None else (lambda j, pool=pool: int(pool[j]))  # fused position -> base index
