@@ -252,7 +252,8 @@ def test_a_shadow_chain_is_the_eager_draft_computed_as_it_is_read(tiny_targets, 
     per_position = 2 if method == "dels" else 1
     with torch.inference_mode():  # as the engine's propose runs it
         chain = drafter.shadow_tokens(context, 6)
-        assert isinstance(chain, ShadowChain) and len(chain) == 6 and chain.known == [chain[0]]
+        assert isinstance(chain, ShadowChain) and len(chain) == 6 and chain.known == [] and rows == []
+        assert chain.read_first() == chain.known == [chain[0]]  # what a shadow step's trace shows
         assert rows == [1] * per_position
         # the same block drafted eagerly (nothing new was observed); adaflash's chain before its cut
         eager = (DFlashEngineDrafter.draft_block(drafter, context, 6) if method == "adaflash"

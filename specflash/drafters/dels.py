@@ -146,9 +146,7 @@ class DeLSDrafter(DFlashEngineDrafter):
         """The fused chain, each position's long logits and fusion computed when it is scored."""
         hidden = self.block_hidden(context)[1 : k + 1]
         fused = self.fusion((self.long_logits(row[None])[0] for row in hidden), context[-1])
-        chain = ShadowChain(k, (position["token"] for position in fused))
-        chain[0]  # the first position is always scored: compute it now, for the trace
-        return chain
+        return ShadowChain(k, (position["token"] for position in fused))
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         hidden = self.block_hidden(context)[1 : k + 1]

@@ -127,16 +127,14 @@ class DFlashEngineDrafter(Drafter):
         trace keeps the tokens known now (a lazy chain's first)."""
         tokens = self.shadow_tokens(context, k)
         self.gate.shadowed(len(context), tokens)
-        known = list(tokens.known) if isinstance(tokens, ShadowChain) else list(tokens)
+        known = tokens.read_first() if isinstance(tokens, ShadowChain) else list(tokens)
         return Draft(DraftTree((), ()), extras={"shadow": known} if known else {})
 
     def shadow_tokens(self, context: list[int], k: int) -> Sequence[int]:
         """The chain a shadow draft hands the gate: DFlash's argmax per slot, each computed when
         the gate reaches its position (methods that draft another chain override this)."""
         hidden = self.block_hidden(context)[1 : k + 1]
-        chain = ShadowChain(k, (argmax_chain(*self.model.draft_probs(row[None]))[0][0] for row in hidden))
-        chain[0]  # the first position is always scored: compute it now, for the trace
-        return chain
+        return ShadowChain(k, (argmax_chain(*self.model.draft_probs(row[None]))[0][0] for row in hidden))
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         """k >= 1 drafted tokens after the context; each DFlash-family method drafts its own way."""
@@ -208,6 +206,13 @@ class ShadowChain(Sequence[int]):
         while len(self.known) <= index:
             self.known.append(next(self._tokens))
         return self.known[index]
+
+    def read_first(self) -> list[int]:
+        """Compute the first token, which the gate always scores, and return the tokens known
+        so far: what the trace of a shadow step can show without computing more."""
+        if self.length:
+            self[0]
+        return list(self.known)
 
 
 CONFIG = DFlashConfig
