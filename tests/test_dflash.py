@@ -110,10 +110,27 @@ def test_drafter_dtype_choice(tiny_targets, monkeypatch):
     assert dflash_io.drafter_dtype(target, "auto") == torch.float32
     assert dflash_io.drafter_dtype(target, "target") == torch.float32
     assert dflash_io.drafter_dtype(target, "float16") == torch.float16
+    assert dflash_io.drafter_dtype(target, "int8") == torch.float32  # float around int8 weights
     with pytest.raises(ValueError, match="drafter dtype"):
-        dflash_io.drafter_dtype(target, "int8")
+        dflash_io.drafter_dtype(target, "int4")
     with pytest.raises(MethodConfigError, match="draft_dtype"):
-        DFlashConfig(draft_dtype="int8")
+        DFlashConfig(draft_dtype="int4")
+
+
+def test_int8_weights_are_picked_only_on_a_cpu_without_bf16_units(tiny_targets, monkeypatch):
+    from specflash.models import dflash_io, int8_linear
+
+    target = tiny_targets["llama"]
+    monkeypatch.setattr(int8_linear, "available", lambda: True)
+    monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: False)
+    assert dflash_io.drafter_int8(target, "auto") and dflash_io.drafter_int8(target, "int8")
+    assert not any(dflash_io.drafter_int8(target, c) for c in ("target", "float32", "bfloat16"))
+    monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: True)
+    assert not dflash_io.drafter_int8(target, "auto") and dflash_io.drafter_int8(target, "int8")
+    monkeypatch.setattr(int8_linear, "available", lambda: False)
+    assert not dflash_io.drafter_int8(target, "auto")
+    with pytest.raises(MethodConfigError, match="int8 engine"):
+        dflash_io.drafter_int8(target, "int8")
 
 
 def _features(target, model, token_ids):

@@ -169,7 +169,7 @@ class DFlashEngineDrafter(Drafter):
 
     def _no_features(self) -> torch.Tensor:
         width = self.model.fc.in_features
-        return torch.zeros(0, width, device=self.device, dtype=self.model.fc.weight.dtype)
+        return torch.zeros(0, width, device=self.device, dtype=self.model.compute_dtype)
 
     def config_dict(self) -> dict[str, Any]:
         return {**asdict(self.cfg), "block_size": self.spec.block_size,
@@ -251,7 +251,8 @@ def gate_cost(target, cfg: DFlashConfig, block_size: int, cache_dir: Path | None
 def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "target") -> DFlashDrafter:
     """The DFlash drafter network for `target`, computing in `dtype` (drafter_dtype's choices);
     `method` names who asked, for the error."""
-    from ..models.dflash_io import drafter_dtype, load_drafter
+    from ..models import int8_linear
+    from ..models.dflash_io import drafter_dtype, drafter_int8, load_drafter
 
     if not drafter:
         raise MethodConfigError(
@@ -262,4 +263,7 @@ def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "ta
     if row_kernels.applies(model):  # the drafter's few-row forwards take the target's measured kernels
         row_kernels.install(model, target.weight_left_rows)
         model.weight_left_rows = frozenset(target.weight_left_rows)
+    if drafter_int8(target, dtype):
+        int8_linear.quantize_layers(model.layers)
+        model.int8_head = True
     return model

@@ -31,6 +31,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from . import row_kernels
+from .int8_linear import Int8Linear
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -238,9 +239,12 @@ class DFlashDrafter(nn.Module):
     a bfloat16 drafter beside a float32 target on a CPU with bf16 matrix units (drafter_dtype in
     models/dflash_io.py). Inputs from the target are cast on the way in; draft-vocabulary logits
     come out in float32 and full-head logits from the target's own head, so callers never see the
-    difference; verification stays the target's own."""
+    difference; verification stays the target's own. On a CPU without those units its decoder
+    layers and draft-vocabulary head may hold int8 weights instead (`int8_head`,
+    models/int8_linear.py), `fc` and the norms staying float32."""
 
     weight_left_rows: frozenset[int] = frozenset()
+    int8_head = False  # draft-vocabulary head rows as int8 (models/int8_linear.py), set at load
 
     def __init__(self, spec: DFlashSpec, embed: nn.Module, lm_head: nn.Module,
                  draft_ids: torch.Tensor | None = None) -> None:
@@ -300,11 +304,14 @@ class DFlashDrafter(nn.Module):
         between calls (the target's head is frozen; the copy follows its device and the drafter's
         compute dtype)."""
         weight, dtype = self._borrowed[1].weight, self.compute_dtype
-        key = (weight.data_ptr(), dtype, weight.device)
-        if getattr(self, "_draft_head", (None,))[0] != key:
-            self._draft_head = (key, weight[self.draft_ids].detach().to(dtype))
         bias = getattr(self._borrowed[1], "bias", None)
         bias = None if bias is None else bias[self.draft_ids].to(dtype)
+        key = (weight.data_ptr(), dtype, weight.device, self.int8_head)
+        if getattr(self, "_draft_head", (None,))[0] != key:
+            rows = weight[self.draft_ids].detach().to(dtype)
+            self._draft_head = (key, Int8Linear(rows, bias) if self.int8_head else rows)
+        if self.int8_head:
+            return self._draft_head[1](hidden).float()
         return row_kernels.linear(hidden.to(dtype), self._draft_head[1], bias, self.weight_left_rows).float()
 
     def _rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
