@@ -11,6 +11,7 @@ from conftest import hf_greedy
 from specflash.api import generate
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, load_dflash_model
 from specflash.models import int8_linear
+from specflash.models.dflash import INT8_RESCORED
 from specflash.models.dflash_io import save_drafter
 from test_draft_vocab import spread_ids, vocab_drafter
 
@@ -43,6 +44,10 @@ def test_an_int8_drafter_drafts_like_the_float_one_and_decodes_losslessly(tiny_t
         runs[name] = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False)),
                               max_new_tokens=24, stop_on_eos=False)
     assert runs["int8"].output_ids == runs["float"].output_ids == hf_greedy(target, ids, 24)
-    hidden = torch.randn(4, target.hidden_size)
+    hidden = torch.randn(16, target.hidden_size, generator=torch.Generator().manual_seed(0))
     a, b = float_model.draft_logits(hidden), int8_model.draft_logits(hidden)
     assert a.shape == b.shape and 0 < (a - b).abs().max() < 0.05 * a.abs().max()
+    # the int8 head's leaders are rescored in float: the drafted token and its logit are the float head's
+    assert torch.equal(b.argmax(-1), a.argmax(-1))
+    assert torch.allclose(b.max(-1).values, a.max(-1).values, atol=1e-5)
+    assert (b != a).sum(-1).min() > 0 and (b == a).sum(-1).max() <= INT8_RESCORED

@@ -33,6 +33,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from . import row_kernels
 from .int8_linear import Int8Linear
 
+INT8_RESCORED = 8  # per row, the int8 draft head's top logits recomputed in float
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -309,10 +311,16 @@ class DFlashDrafter(nn.Module):
         key = (weight.data_ptr(), dtype, weight.device, self.int8_head)
         if getattr(self, "_draft_head", (None,))[0] != key:
             rows = weight[self.draft_ids].detach().to(dtype)
-            self._draft_head = (key, Int8Linear(rows, bias) if self.int8_head else rows)
-        if self.int8_head:
-            return self._draft_head[1](hidden).float()
-        return row_kernels.linear(hidden.to(dtype), self._draft_head[1], bias, self.weight_left_rows).float()
+            self._draft_head = (key, rows, Int8Linear(rows, bias) if self.int8_head else None)
+        rows, int8 = self._draft_head[1:]
+        if int8 is None:
+            return row_kernels.linear(hidden.to(dtype), rows, bias, self.weight_left_rows).float()
+        # the int8 head ranks the vocabulary; its leaders are recomputed in float, so the drafted
+        # argmax is the float head's (int8 alone cost a little acceptance, docs/dflash.md)
+        logits = int8(hidden).float()
+        top = logits.topk(min(INT8_RESCORED, logits.shape[-1]), dim=-1).indices  # [..., R]
+        exact = torch.einsum("...h,...rh->...r", hidden.to(dtype), rows[top])
+        return logits.scatter(-1, top, (exact if bias is None else exact + bias[top]).float())
 
     def _rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits [..., K] of the LM head rows `ids` [K]."""

@@ -5,12 +5,12 @@ verify-cost curve is steep here), and the LM head over the full vocabulary is mo
 drafter's cost. Both figures come from the engine's own trace records, on the same held-out
 prompts, side by side: the median `verify_time` of plain decoding's steps and the median
 `draft_time` of DFlash's steps (drafting every step, no gate), with the drafter's draft
-vocabulary in the dtype the engine picks (models/dflash_io.py drafter_dtype) and, for comparison,
-in float32 as the target, with the target's full LM head and with PyTorch's stock matmuls in
-place of the row kernels the target measured (models/row_kernels.py); what the draft gate's
-shadow draft costs where the drafter misses (the block forward, the head for its first slot
-only); and a target step that drafts nothing but captures the drafter's features, as while the
-gate is off.
+vocabulary in the dtype the engine picks (models/dflash_io.py drafter_dtype and drafter_int8:
+int8 weights on a CPU without bf16 matrix units) and, for comparison, in float32 as the target,
+with the target's full LM head and with PyTorch's stock matmuls in place of the row kernels the
+target measured (models/row_kernels.py); what the draft gate's shadow draft costs where the
+drafter misses (the block forward, the head for its first slot only); and a target step that
+drafts nothing but captures the drafter's features, as while the gate is off.
 
     python -m specflash.training.drafter_cost --model smollm2-135m --drafter FOLDER [--out cost.json]
 """
@@ -64,7 +64,7 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
     ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
     vocab = len(model.draft_ids) if model.draft_ids is not None else target.vocab_size
     return {"target_step_ms": ms["target_step"], "block_ms": ms["draft_vocab"], "block_full_vocab_ms": ms["full_vocab"],
-            "block_fraction": ms["draft_vocab"] / ms["target_step"], "block_dtype": str(model.compute_dtype),
+            "block_fraction": ms["draft_vocab"] / ms["target_step"], "block_dtype": "int8" if model.int8_head else str(model.compute_dtype),
             "block_target_dtype_ms": ms["target_dtype"],
             "block_target_dtype_fraction": ms["target_dtype"] / ms["target_step"],
             "block_stock_kernels_ms": ms["stock_kernels"],
