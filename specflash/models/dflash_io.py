@@ -360,8 +360,8 @@ def drafter_dtype(target, choice: str = "auto") -> torch.dtype:
 def drafter_int8(target, choice: str = "auto") -> bool:
     """Whether the drafter's decoder layers and draft head hold int8 weights (models/int8_linear.py):
     `choice` "int8" asks for it (a CPU target only), "auto" picks it for a float32 target on a CPU
-    that has an int8 engine but no bf16 matrix units, where it drafted 2.4x faster at the same
-    acceptance (docs/dflash.md); every other choice keeps float weights."""
+    that has an int8 engine but no bf16 matrix units, where it drafted in about half the time at
+    nearly the same acceptance (docs/dflash.md); every other choice keeps float weights."""
     on_cpu = torch.device(target.device).type == "cpu"
     if choice == "int8":
         if not on_cpu or not int8_linear.available():
