@@ -21,6 +21,7 @@ from pathlib import Path
 import specflash
 from specflash.bench import bench_prompts
 from specflash.metrics import per_position_acceptance
+from specflash.models.dflash_io import DRAFTER_DTYPE_CHOICES
 from specflash.models.presets import default_drafter
 from specflash.prompts import DOMAINS
 
@@ -36,6 +37,8 @@ def main() -> None:
     p.add_argument("--prompts", choices=("tuning", "heldout"), default="tuning")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft-dtype", choices=DRAFTER_DTYPE_CHOICES, default="auto",
+                   help="the drafter's weights (docs/dflash.md, the drafter's own dtype)")
     p.add_argument("--out", type=Path, default=Path("bench-out/dels_sweep.json"))
     args = p.parse_args()
 
@@ -46,7 +49,7 @@ def main() -> None:
     counts = [int(c) for c in args.candidates.split(",")] if args.candidates else [None]
     settings = [(float(a), float(b), c) for a in args.alphas.split(",") for b in args.betas.split(",") for c in counts]
     for alpha, beta, candidates in settings:
-        options = {"alpha": alpha, "beta": beta, "gate": False}
+        options = {"alpha": alpha, "beta": beta, "gate": False, "draft_dtype": args.draft_dtype}
         if candidates is not None:
             options["candidates"] = candidates
         if args.local_head:
@@ -75,6 +78,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "drafter": drafter, "rows": rows,
                                     "max_new_tokens": args.max_new_tokens, "local_head": args.local_head,
+                                    "draft_dtype": args.draft_dtype,
                                     "prompt_set": args.prompts, "prompts": [pid for _, pid, _ in prompts]}, indent=1))
     print(f"wrote {args.out}")
 
