@@ -241,8 +241,8 @@ class DFlashDrafter(nn.Module):
     a bfloat16 drafter beside a float32 target on a CPU with bf16 matrix units (drafter_dtype in
     models/dflash_io.py). Inputs from the target are cast on the way in; draft-vocabulary logits
     come out in float32 and full-head logits from the target's own head, so callers never see the
-    difference; verification stays the target's own. On a CPU without those units its decoder
-    layers and draft-vocabulary head may hold int8 weights instead (`int8_head`,
+    difference; verification stays the target's own. On a CPU its decoder layers and
+    draft-vocabulary head may hold int8 weights instead (draft_dtype int8, `int8_head`,
     models/int8_linear.py), `fc` and the norms staying float32."""
 
     weight_left_rows: frozenset[int] = frozenset()

@@ -359,17 +359,16 @@ def drafter_dtype(target, choice: str = "auto") -> torch.dtype:
 
 def drafter_int8(target, choice: str = "auto") -> bool:
     """Whether the drafter's decoder layers and draft head hold int8 weights (models/int8_linear.py):
-    `choice` "int8" asks for it (a CPU target only), "auto" picks it for a float32 target on a CPU
-    that has an int8 engine but no bf16 matrix units, where it drafted in about half the time at
-    nearly the same acceptance (docs/dflash.md); every other choice keeps float weights."""
-    on_cpu = torch.device(target.device).type == "cpu"
-    if choice == "int8":
-        if not on_cpu or not int8_linear.available():
-            raise MethodConfigError(f"draft_dtype int8 needs a CPU with an int8 engine (this target runs on "
-                             f"{target.device}); use auto")
-        return True
-    return (choice == "auto" and on_cpu and target.dtype == torch.float32 and not bf16_matrix_units()
-            and int8_linear.available())
+    only when `choice` is "int8", which needs a CPU with an int8 engine. `auto` does not pick it:
+    on the 2-core AVX2 CPU int8 halved a block's cost, but the draft gate then drafted more where
+    drafting did not pay, and `dflash` ran 0.90x and 0.92x `ar` against 0.97x and 0.95x in
+    float32, side by side (docs/dflash.md, the drafter's own dtype)."""
+    if choice != "int8":
+        return False
+    if torch.device(target.device).type != "cpu" or not int8_linear.available():
+        raise MethodConfigError(f"draft_dtype int8 needs a CPU with an int8 engine (this target runs on "
+                                f"{target.device}); use auto")
+    return True
 
 
 def read_draft_ids(folder: Path, config: dict[str, Any], vocab_size: int) -> torch.Tensor | None:

@@ -5,8 +5,8 @@ verify-cost curve is steep here), and the LM head over the full vocabulary is mo
 drafter's cost. Both figures come from the engine's own trace records, on the same held-out
 prompts, side by side: the median `verify_time` of plain decoding's steps and the median
 `draft_time` of DFlash's steps (drafting every step, no gate), with the drafter's draft
-vocabulary in the dtype the engine picks (models/dflash_io.py drafter_dtype and drafter_int8:
-int8 weights on a CPU without bf16 matrix units) and, for comparison, in float32 as the target,
+vocabulary in the dtype the engine picks (models/dflash_io.py drafter_dtype) and, for comparison,
+in float32 as the target, with int8 weights (models/int8_linear.py, where this CPU has the engine),
 with the target's full LM head and with PyTorch's stock matmuls in place of the row kernels the
 target measured (models/row_kernels.py); what the draft gate's shadow draft costs where the
 drafter misses (the block forward, the head for its first slot only); and a target step that
@@ -44,11 +44,16 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
     stock = load_drafter(drafter_folder(drafter), target)
     full = load_dflash_model(target, drafter, "drafter_cost")
     full.draft_ids = None
+    from ..models import int8_linear
+
     engines = {"draft_vocab": DFlashEngineDrafter(model, DFlashConfig(gate=False)),
                "shadow": _ShadowEveryStep(model, DFlashConfig(gate=False)),
                "target_dtype": DFlashEngineDrafter(same, DFlashConfig(gate=False)),
                "stock_kernels": DFlashEngineDrafter(stock, DFlashConfig(gate=False)),
                "full_vocab": DFlashEngineDrafter(full, DFlashConfig(gate=False))}
+    if int8_linear.available():
+        engines["int8"] = DFlashEngineDrafter(load_dflash_model(target, drafter, "drafter_cost", "int8"),
+                                              DFlashConfig(gate=False))
     times: dict[str, list[float]] = {"target_step": [], "off_step": [], **{name: [] for name in engines}}
     prompts = [p for d in DOMAINS for p in heldout_prompts(d)[:prompts_per_domain]]
     for prompt in prompts:  # interleaved, so machine noise hits every column alike
@@ -64,13 +69,15 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
     ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
     vocab = len(model.draft_ids) if model.draft_ids is not None else target.vocab_size
     return {"target_step_ms": ms["target_step"], "block_ms": ms["draft_vocab"], "block_full_vocab_ms": ms["full_vocab"],
-            "block_fraction": ms["draft_vocab"] / ms["target_step"], "block_dtype": "int8" if model.int8_head else str(model.compute_dtype),
+            "block_fraction": ms["draft_vocab"] / ms["target_step"], "block_dtype": str(model.compute_dtype),
             "block_target_dtype_ms": ms["target_dtype"],
             "block_target_dtype_fraction": ms["target_dtype"] / ms["target_step"],
             "block_stock_kernels_ms": ms["stock_kernels"],
             "block_stock_kernels_fraction": ms["stock_kernels"] / ms["target_step"],
             "shadow_ms": ms["shadow"], "shadow_fraction": ms["shadow"] / ms["target_step"],
             "off_step_ms": ms["off_step"], "off_step_ratio": ms["off_step"] / ms["target_step"],
+            "block_int8_ms": ms.get("int8"),
+            "block_int8_fraction": ms["int8"] / ms["target_step"] if "int8" in ms else None,
             "row_kernel_rows": sorted(target.weight_left_rows),
             "block_full_vocab_fraction": ms["full_vocab"] / ms["target_step"],
             "draft_vocab_size": vocab, "samples": len(times["target_step"]), "threads": torch.get_num_threads()}
@@ -115,6 +122,8 @@ def report(args: argparse.Namespace) -> dict:
           f"({100 * result['shadow_fraction']:.0f}%) | a step drafting nothing, features captured "
           f"{result['off_step_ms']:.1f} ms ({result['off_step_ratio']:.2f}x) | in the target's dtype {result['block_target_dtype_ms']:.1f} ms "
           f"({100 * result['block_target_dtype_fraction']:.0f}%) | "
+          + (f"int8 weights {result['block_int8_ms']:.1f} ms ({100 * result['block_int8_fraction']:.0f}%) | "
+             if result["block_int8_ms"] is not None else "") +
           f"stock matmuls {result['block_stock_kernels_ms']:.1f} ms "
           f"({100 * result['block_stock_kernels_fraction']:.0f}%) | "
           f"with the full LM head {result['block_full_vocab_ms']:.1f} ms ({100 * result['block_full_vocab_fraction']:.0f}%)")
