@@ -360,9 +360,9 @@ def drafter_dtype(target, choice: str = "auto") -> torch.dtype:
 def drafter_int8(target, choice: str = "auto") -> bool:
     """Whether the drafter's decoder layers and draft head hold int8 weights (models/int8_linear.py):
     only when `choice` is "int8", which needs a CPU with an int8 engine. `auto` does not pick it:
-    on the 2-core AVX2 CPU int8 halved a block's cost, but the draft gate then drafted more where
-    drafting did not pay, and `dflash` ran 0.90x and 0.92x `ar` against 0.97x and 0.95x in
-    float32, side by side (docs/dflash.md, the drafter's own dtype)."""
+    on the 2-core AVX2 CPU int8 halved a block's cost, but with the draft gate on `dflash` was
+    no faster end to end (pooled over three side-by-side runs 0.92x `ar` against 0.96x in
+    float32; docs/dflash.md, the drafter's own dtype)."""
     if choice != "int8":
         return False
     if torch.device(target.device).type != "cpu" or not int8_linear.available():

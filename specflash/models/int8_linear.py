@@ -6,8 +6,8 @@ On the project's 2-core AVX2 CPU a SmolLM2 block took 9.6 ms, 22% of a target st
 what the draft gate weighs each look and each draft against. PyTorch's fbgemm dynamic int8
 linear (weights int8 per output channel, activations quantized per call) reads a quarter of the
 bytes: a block cost 4.8 ms against 9.4 ms, at 1.769 tokens per step on the tuning requests
-against 1.789 in float32. It is not the default: with the draft gate on, the cheaper block made
-the gate draft more where drafting did not pay (docs/dflash.md, the drafter's own dtype).
+against 1.789 in float32. It is not the default: with the draft gate on, `dflash` was no faster
+end to end (docs/dflash.md, the drafter's own dtype).
 
 The fusion layer `fc` stays float: the target's features carry most of their energy in one or
 two dimensions (docs/dflash.md, preconditioning), which one activation scale per call would
