@@ -42,6 +42,23 @@ def test_choice_keeps_only_clear_wins():
     assert row_kernels.choose(timings) == frozenset({1, 2})  # row 3 is within noise, row 4 slower
 
 
+def test_measuring_alternates_the_two_ways_at_each_row_count(tiny_dirs, monkeypatch):
+    """Side by side, so a change of load while measuring weighs on both ways alike."""
+    target = load_target(tiny_dirs["llama"])
+    order = []
+    real = row_kernels.install
+
+    def recorded(model, rows):
+        order.append("left" if rows else "stock")
+        return real(model, rows)
+
+    monkeypatch.setattr(row_kernels, "install", recorded)
+    timings = row_kernels.measure(target.model, target.vocab_size, max_rows=3, repeats=2)
+    assert order == ["stock", "left"] * (3 * (2 + 1))  # 3 row counts, a warm-up and 2 repeats each
+    assert len(timings["stock"]) == len(timings["weight_left"]) == 3
+    assert all(t > 0 for way in timings.values() for t in way)
+
+
 def test_tune_measures_once_per_machine_then_reads_the_cache(tiny_dirs, tmp_path, monkeypatch):
     target = load_target(tiny_dirs["llama"])
     calls = []
