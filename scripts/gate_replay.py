@@ -22,6 +22,7 @@ import specflash
 from specflash.acceptance_record import record_runs
 from specflash.bench import bench_prompts
 from specflash.drafters import build_drafter
+from specflash.drafters.adaflash import AdaFlashConfig
 from specflash.gate_replay import (AcceptanceRun, ReplayCost, gate_policy, replay_all, replay_fixed, replay_gate,
                                    replay_oracle)
 from specflash.models.dflash_io import DRAFTER_DTYPE_CHOICES
@@ -41,10 +42,10 @@ def parse_gate(text: str) -> tuple[str, dict]:
     return label, overrides
 
 
-def cost_cut(rate: float, curve: list[float]):
+def cost_cut(rate: float, curve: list[float], min_len: int):
     """AdaFlash's default rule: the cut worth most with confidences x rate as acceptance, at least
-    one token (its min_len)."""
-    return lambda conf: max(1, best_cut([min(1.0, c * rate) for c in conf], curve))
+    `min_len` tokens."""
+    return lambda conf: max(min(min_len, len(conf)), best_cut([min(1.0, c * rate) for c in conf], curve))
 
 
 def main() -> None:
@@ -61,6 +62,8 @@ def main() -> None:
                    help="label:key=value,...: a DraftGate variant (repeatable; default: the gate as shipped)")
     p.add_argument("--cut-rate", action="append", default=[], type=float,
                    help="also the gate with AdaFlash's cost cut reading confidences x RATE (repeatable)")
+    p.add_argument("--cut-min", action="append", default=[], type=int,
+                   help="the cuts' min_len values to replay (repeatable; default: AdaFlash's)")
     p.add_argument("--runs", type=Path, default=None, help="replay this recording instead of recording")
     p.add_argument("--runs-out", type=Path, default=None, help="save the recording here")
     p.add_argument("--out", type=Path, default=Path("bench-out/gate_replay.json"))
@@ -93,8 +96,10 @@ def main() -> None:
         make = gate_policy(depth, cost, **overrides)
         policies[label or "gate"] = lambda r, make=make: replay_gate(r, cost, depth, make())
     for rate in args.cut_rate:
-        cut = cost_cut(rate, curve)
-        policies[f"gate + cost cut x{rate:g}"] = lambda r, cut=cut: replay_gate(r, cost, depth, gate_policy(depth, cost)(), cut)
+        for min_len in args.cut_min or [AdaFlashConfig().min_len]:
+            cut = cost_cut(rate, curve, min_len)
+            policies[f"gate + cost cut x{rate:g} min {min_len}"] = \
+                lambda r, cut=cut: replay_gate(r, cost, depth, gate_policy(depth, cost)(), cut)
     table = {name: replay_all(runs, play) for name, play in policies.items()}
 
     domains = [d for d in DOMAINS if d in table["oracle"]]

@@ -171,7 +171,8 @@ class BatchAdaFlash(BatchDFlash):
         for b, k in enumerate(ks):
             tokens, q, keep = best.indices[b, :k].tolist(), best.values[b, :k].tolist(), min(verify, k)
             draft = self._draft(tokens[:keep], q[:keep])
-            if k > 0:
+            if k > 0:  # a block was drafted, even where it is dropped whole (the single drafter's trace)
+                draft.extras["dflash"] = {"block_size": self.spec.block_size}
                 draft.extras["adaflash"] = {"rule": self.cfg.rule, "score": scores[b], "verify_len": keep + 1,
                                             "cut_tokens": tokens[keep:], "cut_q": q[keep:]}
             drafts.append(draft)

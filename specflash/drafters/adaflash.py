@@ -48,7 +48,9 @@ class AdaFlashConfig(DFlashConfig):
     fixed_len: int = 3
     threshold: float = 0.5
     rate: float = 1.0
-    min_len: int = 1
+    # drafted tokens verified at least (the head rule: verify positions); 0 lets a rule drop a
+    # draft whole when verifying any of it does not pay (docs/adaflash.md, dropping a draft)
+    min_len: int = 0
     # what the cost rule reads as acceptance: draft confidences or the head
     estimate: str = field(default="confidence", metadata={"choices": ESTIMATES})
 
