@@ -65,6 +65,26 @@ def test_bench_runs_labelled_variants_with_their_own_knobs(tiny_targets, tiny_di
     assert rows["dflash:short"]["verified_per_committed"] < rows["dflash"]["verified_per_committed"]
 
 
+def test_bench_builds_each_drafter_once_outside_the_timed_samples(tiny_targets, tiny_dirs, tmp_path, monkeypatch):
+    from specflash import api, drafters
+    from specflash.cli import main
+    from specflash.models.dflash_io import save_drafter
+    from test_dflash import random_drafter
+
+    built = []
+    real = drafters.build_drafter
+    counted = lambda name, *a, **k: built.append(name) or real(name, *a, **k)  # noqa: E731
+    for module in (drafters, api):  # the bench's own builds and any a request would make
+        monkeypatch.setattr(module, "build_drafter", counted)
+    folder = tmp_path / "drafter"
+    save_drafter(random_drafter(tiny_targets["qwen3"], block=4, feature_layers=(1,)), folder)
+    code = main(["bench", "--model", str(tiny_dirs["qwen3"]), "--methods", "ar,dflash,adaflash", "--domains", "code",
+                 "--prompts-per-domain", "2", "--max-new-tokens", "6", "--repeats", "2", "--drafter", str(folder),
+                 "--out", str(tmp_path / "bench.json")])
+    assert code == 0
+    assert sorted(built) == ["adaflash", "ar", "dflash"]  # one each, for a warm-up and 4 timed samples
+
+
 def test_bench_tuning_prompts_come_from_the_tuning_requests(monkeypatch, tmp_path):
     from specflash import bench
     from specflash.training import harvest
