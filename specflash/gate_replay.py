@@ -76,9 +76,6 @@ class ReplayResult:
         return {**asdict(self), "speedup": self.speedup}
 
 
-Policy = Callable[[AcceptanceRun, ReplayCost, int], ReplayResult]
-
-
 def _step(result: ReplayResult, cost: ReplayCost, width: int, accepted: int, drafted: int | None = None) -> int:
     """Account one step verifying `width` drafts of the `drafted` (default `width`) the drafter
     made; returns the tokens it commits."""
