@@ -89,8 +89,7 @@ def _engine_runner(target, method: str, drafter: str | None, options: dict, cach
     built = build_drafter(method, target, options, drafter, cache_dir=cache_dir)
 
     def run(ids: list[int], max_new: int) -> tuple[list[int], dict]:
-        rec = generate(target, ids, method, max_new_tokens=max_new, drafter=built, sampling=SamplingConfig(),
-                       cache_dir=cache_dir)
+        rec = generate(target, ids, method, max_new_tokens=max_new, drafter=built, sampling=SamplingConfig())
         return rec.output_ids, rec.metrics
 
     return run
