@@ -35,6 +35,7 @@ def test_weight_left_product_is_linear_up_to_rounding(shape, bias):
     assert layer.weight is weight and isinstance(layer, row_kernels.RowKernelLinear)
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert got.is_contiguous()  # row-major, so the next product is not fed a transposed operand
 
 
 def test_choice_keeps_only_clear_wins():

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 MAX_ROWS = 16  # above this a forward is a prefill or a batch, where the stock GEMM is right
 METHOD = "alternating"  # names how `measure` times, in its cache files: older ones are measured again
+KERNELS = "v2"  # names the weight-left kernel's code (v2: row-major output) in timing caches that depend on it
 
 
 class RowKernelLinear(torch.nn.Linear):
@@ -49,7 +50,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
         flat = torch.cat([flat, flat])  # a GEMM needs two rows; the copy's result is dropped
-    out = torch.mm(weight, flat.t()).t()[:rows]
+    # row-major again: elementwise ops keep their input's layout, so a transposed result would
+    # reach the next product (the MLP's down projection) as a [K, rows] operand, which took 3x as
+    # long there (SmolLM2-135M, 2 threads: verifying 2 tokens cost 1.37x one, 1.12x with this copy)
+    out = torch.mm(weight, flat.t()).t()[:rows].contiguous()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -118,7 +122,7 @@ def tune(model: torch.nn.Module, vocab_size: int, key: str, cache_dir: Path | No
     """Measure (or read from `cache_dir/row-kernels/<key>.json`) and install the choice."""
     if not applies(model):
         return frozenset()
-    path = Path(cache_dir) / "row-kernels" / f"{key}-t{torch.get_num_threads()}-{METHOD}.json" if cache_dir else None
+    path = Path(cache_dir) / "row-kernels" / f"{key}-t{torch.get_num_threads()}-{METHOD}-{KERNELS}.json" if cache_dir else None
     if path is not None and path.exists():
         timings = json.loads(path.read_text())
     else:

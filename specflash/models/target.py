@@ -151,7 +151,7 @@ class TargetModel:
     def kernel_tag(self) -> str:
         """Names the row-kernel choice in caches of timings that depend on it ("" when stock)."""
         rows = sorted(self.weight_left_rows)
-        return f"-wl{'.'.join(map(str, rows))}" if rows else ""
+        return f"-wl{'.'.join(map(str, rows))}-{row_kernels.KERNELS}" if rows else ""
 
     def checkpoint(self, cache: DynamicCache) -> Checkpoint | None:
         """What `keep` needs to undo a verification forward: recurrent states cannot be cropped,
