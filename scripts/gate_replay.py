@@ -22,14 +22,13 @@ import specflash
 from specflash.acceptance_record import record_runs
 from specflash.bench import bench_prompts
 from specflash.drafters import build_drafter
-from specflash.drafters.adaflash import AdaFlashConfig
+from specflash.drafters.adaflash import AdaFlashConfig, cut_length, kept_length
 from specflash.gate_replay import (AcceptanceRun, ReplayCost, gate_policy, replay_all, replay_fixed, replay_gate,
                                    replay_oracle)
 from specflash.models.dflash_io import DRAFTER_DTYPE_CHOICES
 from specflash.models.presets import default_drafter
 from specflash.prompts import DOMAINS
 from specflash.step_costs import measure_step_costs
-from specflash.verify_cost import best_cut
 
 
 def parse_gate(text: str) -> tuple[str, dict]:
@@ -43,9 +42,10 @@ def parse_gate(text: str) -> tuple[str, dict]:
 
 
 def cost_cut(rate: float, curve: list[float], min_len: int):
-    """AdaFlash's default rule: the cut worth most with confidences x rate as acceptance, at least
-    `min_len` tokens."""
-    return lambda conf: max(min(min_len, len(conf)), best_cut([min(1.0, c * rate) for c in conf], curve))
+    """AdaFlash's default rule, its own code, on recorded confidences (each a one-column distribution
+    whose maximum is the confidence)."""
+    cfg = AdaFlashConfig(rate=rate, min_len=min_len)
+    return lambda conf: kept_length(cut_length("cost", torch.tensor(conf)[:, None], cfg, curve, 0), len(conf), cfg)
 
 
 def main() -> None:

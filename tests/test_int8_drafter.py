@@ -9,8 +9,9 @@ import torch
 
 from conftest import hf_greedy
 from specflash.api import generate
+from specflash.drafters import build_drafter
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, load_dflash_model
-from specflash.models import int8_linear
+from specflash.models import dflash_io, int8_linear
 from specflash.models.dflash import INT8_RESCORED
 from specflash.models.dflash_io import save_drafter
 from test_draft_vocab import spread_ids, vocab_drafter
@@ -51,3 +52,22 @@ def test_an_int8_drafter_drafts_like_the_float_one_and_decodes_losslessly(tiny_t
     assert torch.equal(b.argmax(-1), a.argmax(-1))
     assert torch.allclose(b.max(-1).values, a.max(-1).values, atol=1e-5)
     assert (b != a).sum(-1).min() > 0 and (b == a).sum(-1).max() <= INT8_RESCORED
+
+
+def test_adaflash_takes_int8_weights_by_default_where_bf16_is_not_native(tiny_targets, tmp_path, monkeypatch):
+    target = tiny_targets["llama"]
+    save_drafter(vocab_drafter(target, spread_ids(target, 60), layers=2), tmp_path)
+    plain = {"rule": "fixed", "gate": False}  # neither needs the verify-cost curve
+    monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: False)
+    adaflash = build_drafter("adaflash", target, plain, str(tmp_path))
+    assert adaflash.model.int8_head and adaflash.config_dict()["drafter_precision"] == "int8"
+    dflash = build_drafter("dflash", target, {"gate": False}, str(tmp_path))
+    assert not dflash.model.int8_head and dflash.config_dict()["drafter_precision"] == "float32"
+    asked_float = build_drafter("adaflash", target, {**plain, "draft_dtype": "float32"}, str(tmp_path))
+    assert not asked_float.model.int8_head
+    ids = target.tokenizer("def add(a, b):")["input_ids"]
+    run = generate(target, ids, drafter=adaflash, max_new_tokens=24, stop_on_eos=False)
+    assert run.output_ids == hf_greedy(target, ids, 24)
+    monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: True)  # there "auto" means bfloat16
+    native = build_drafter("adaflash", target, plain, str(tmp_path))
+    assert not native.model.int8_head and native.config_dict()["drafter_precision"] == "bfloat16"

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..config import SamplingConfig
-from ..drafters.adaflash import AdaFlashDrafter, acceptance_estimate, cut_length
+from ..drafters.adaflash import AdaFlashDrafter, acceptance_estimate, cut_length, kept_length
 from ..drafters.base import Draft, Drafter
 from ..drafters.dflash import DFlashEngineDrafter
 from ..errors import MethodConfigError, UnbatchableMethodError
@@ -188,8 +188,7 @@ class BatchAdaFlash(BatchDFlash):
             cuts = [common] * len(probs)
         else:
             cuts = [cut_length(cfg.rule, p, cfg, self.cost, w, s, L) for p, w, s in zip(probs, self.windows, scores)]
-        floor = 0 if cfg.rule == "head" else cfg.min_len
-        return [max(min(cut, len(p)), min(floor, len(p))) for cut, p in zip(cuts, probs)]
+        return [kept_length(cut, len(p), cfg) for cut, p in zip(cuts, probs)]
 
     def verified(self, row: int, draft: Draft, path: list[int]) -> None:
         if self.cfg.rule == "heuristic" and len(draft.tree):

@@ -44,6 +44,10 @@ ESTIMATES = ("confidence", "head")
 
 @dataclass(frozen=True)
 class AdaFlashConfig(DFlashConfig):
+    """DFlash's options plus the cut rule's. `draft_dtype` "auto" also takes int8 weights beside a
+    float32 target on a CPU with an int8 engine and no bf16 matrix units (dflash_io.drafter_int8:
+    the cost rule turns a cheaper block into more verified drafts); "float32" keeps them float."""
+
     rule: str = field(default="cost", metadata={"choices": RULES})
     fixed_len: int = 3
     threshold: float = 0.5
@@ -115,6 +119,13 @@ def cut_length(
     return best_cut(acceptance_estimate(probs, cfg, score, block_size), cost)
 
 
+def kept_length(cut: int, drafted: int, cfg: AdaFlashConfig) -> int:
+    """The drafted tokens a step verifies: the rule's cut within the `drafted` ones, at least
+    `min_len` of them (the head rule's floor is in verify_len already)."""
+    floor = 0 if cfg.rule == "head" else cfg.min_len
+    return max(min(cut, drafted), min(floor, drafted))
+
+
 class AdaFlashDrafter(DFlashEngineDrafter):
     name = "adaflash"
 
@@ -139,7 +150,7 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         L = self.spec.block_size
         cost = self.gate.cost if self.gate is not None else self.cost  # the gate's, calibrated in this run
         cut = cut_length(self.cfg.rule, probs, self.cfg, cost, self.window, score, L)
-        keep = max(min(cut, k), 0 if self.cfg.rule == "head" else min(self.cfg.min_len, k))
+        keep = kept_length(cut, k, self.cfg)
         draft = Draft(
             DraftTree.chain(tokens[:keep]),
             q=None,
@@ -167,7 +178,7 @@ CONFIG = AdaFlashConfig
 def build(target, cfg: AdaFlashConfig, drafter: str | None, cache_dir: Path | None = None) -> AdaFlashDrafter:
     from ..models.acquire import default_cache_dir
 
-    model = load_dflash_model(target, drafter, "adaflash", cfg.draft_dtype)
+    model = load_dflash_model(target, drafter, "adaflash", cfg.draft_dtype, int8_when_auto=True)
     head = load_length_head(drafter_folder(str(drafter)), model.spec.hidden_size)
     cost = None
     if cfg.rule == "cost" or cfg.gate:

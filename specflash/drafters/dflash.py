@@ -172,8 +172,10 @@ class DFlashEngineDrafter(Drafter):
         return torch.zeros(0, width, device=self.device, dtype=self.model.compute_dtype)
 
     def config_dict(self) -> dict[str, Any]:
+        precision = "int8" if self.model.int8_head else str(self.model.compute_dtype).removeprefix("torch.")
         return {**asdict(self.cfg), "block_size": self.spec.block_size,
-                "target_layer_ids": list(self.feature_layers), "draft_layers": self.spec.num_layers}
+                "target_layer_ids": list(self.feature_layers), "draft_layers": self.spec.num_layers,
+                "drafter_precision": precision}
 
 
 def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[int], list[float]]:
@@ -248,10 +250,10 @@ def gate_cost(target, cfg: DFlashConfig, block_size: int, cache_dir: Path | None
     return cached_verify_cost(target, block_size, cache_dir or default_cache_dir()) if cfg.gate else None
 
 
-def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "target") -> DFlashDrafter:
-    """The DFlash drafter network for `target`, computing in `dtype` (drafter_dtype's choices);
-    `method` names who asked, for the error."""
-    from ..models import int8_linear
+def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "target",
+                      int8_when_auto: bool = False) -> DFlashDrafter:
+    """The DFlash drafter network for `target`, computing in `dtype` (drafter_dtype's choices;
+    `int8_when_auto`: drafter_int8's); `method` names who asked, for the error."""
     from ..models.dflash_io import drafter_dtype, drafter_int8, load_drafter
 
     if not drafter:
@@ -263,7 +265,6 @@ def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "ta
     if row_kernels.applies(model):  # the drafter's few-row forwards take the target's measured kernels
         row_kernels.install(model, target.weight_left_rows)
         model.weight_left_rows = frozenset(target.weight_left_rows)
-    if drafter_int8(target, dtype):
-        int8_linear.quantize_layers(model.layers)
-        model.int8_head = True
+    if drafter_int8(target, dtype, int8_when_auto):
+        model.quantize_int8()
     return model

@@ -31,7 +31,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from . import row_kernels
-from .int8_linear import Int8Linear
+from .int8_linear import Int8Linear, quantize_layers
 
 INT8_RESCORED = 16  # per row, the int8 draft head's top logits recomputed in float (DFlash 2's selector reads 16)
 
@@ -269,6 +269,12 @@ class DFlashDrafter(nn.Module):
                     module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
                     if module.bias is not None:
                         module.bias.zero_()
+
+    def quantize_int8(self) -> None:
+        """Int8 weights for the decoder layers' products and the draft-vocabulary head (in place;
+        models/int8_linear.py says why `fc` stays float)."""
+        quantize_layers(self.layers)
+        self.int8_head = True
 
     @property
     def compute_dtype(self) -> torch.dtype:

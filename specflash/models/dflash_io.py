@@ -357,18 +357,24 @@ def drafter_dtype(target, choice: str = "auto") -> torch.dtype:
     return DRAFTER_DTYPES[choice]
 
 
-def drafter_int8(target, choice: str = "auto") -> bool:
-    """Whether the drafter's decoder layers and draft head hold int8 weights (models/int8_linear.py):
-    only when `choice` is "int8", which needs a CPU with an int8 engine. `auto` does not pick it:
-    on the 2-core AVX2 CPU int8 halved a block's cost, but with the draft gate on `dflash` was
-    no faster end to end (pooled over three side-by-side runs 0.92x `ar` against 0.96x in
-    float32; docs/dflash.md, the drafter's own dtype)."""
-    if choice != "int8":
+def drafter_int8(target, choice: str = "auto", int8_when_auto: bool = False) -> bool:
+    """Whether the drafter's decoder layers and draft head hold int8 weights (models/int8_linear.py).
+    `choice` "int8" asks for them and needs a CPU with an int8 engine. "auto" picks them only for a
+    method that asks (`int8_when_auto`), beside a float32 target on such a CPU without bf16 matrix
+    units (where "auto" already means bfloat16). AdaFlash asks: it weighs each drafted block's cost,
+    so a block that costs half lets it verify more of its drafts; on the 2-core AVX2 CPU int8
+    `adaflash` was at or above float32 `adaflash` in every side-by-side run (docs/adaflash.md).
+    `dflash` does not: with its gate it was no faster in int8 (docs/dflash.md, the drafter's own
+    dtype)."""
+    on_cpu = torch.device(target.device).type == "cpu"
+    if choice == "int8":
+        if not on_cpu or not int8_linear.available():
+            raise MethodConfigError(f"draft_dtype int8 needs a CPU with an int8 engine (this target runs on "
+                                    f"{target.device}); use auto")
+        return True
+    if choice != "auto" or not int8_when_auto:
         return False
-    if torch.device(target.device).type != "cpu" or not int8_linear.available():
-        raise MethodConfigError(f"draft_dtype int8 needs a CPU with an int8 engine (this target runs on "
-                                f"{target.device}); use auto")
-    return True
+    return on_cpu and target.dtype == torch.float32 and int8_linear.available() and not bf16_matrix_units()
 
 
 def read_draft_ids(folder: Path, config: dict[str, Any], vocab_size: int) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..models.target import TargetModel
+from .harvest import features_path
 
 
 def shard_key(target_name: str, layer_ids: tuple[int, ...], shard: Path) -> str:
@@ -39,7 +40,7 @@ def sequence_features(target: TargetModel, token_ids: list[int]) -> torch.Tensor
 def harvested_features(shard: Path, layer_ids: tuple[int, ...], n_samples: int) -> list[torch.Tensor] | None:
     """The features stored beside a harvested shard, restricted to `layer_ids` (None when the
     shard has none, or they lack one of the layers)."""
-    path = shard.with_name(shard.name.removesuffix(".safetensors") + ".features.safetensors")
+    path = features_path(shard)
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
