@@ -263,8 +263,8 @@ def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "ta
         )
     model = load_drafter(drafter_folder(str(drafter)), target).to(drafter_dtype(target, dtype))
     if row_kernels.applies(model):  # the drafter's few-row forwards take the target's measured kernels
-        row_kernels.install(model, target.weight_left_rows)
-        model.weight_left_rows = frozenset(target.weight_left_rows)
+        row_kernels.install(model, target.row_plan)
+        model.row_plan = target.row_plan
     if drafter_int8(target, dtype, int8_when_auto):
         model.quantize_int8()
     return model

@@ -234,7 +234,7 @@ class DFlashDrafter(nn.Module):
     those N rows of the target's LM head and every other token gets logit -inf (q = 0), so
     drafting costs N/V of the full head and verification stays exact.
 
-    `weight_left_rows`: row counts whose products run as W @ x^T (models/row_kernels.py), set
+    `row_plan`: row counts whose products run as W @ x^T (models/row_kernels.py), set
     when the drafter is loaded for a target that measured them.
 
     The drafter may compute in another dtype than the target (`compute_dtype`, its own weights'):
@@ -245,7 +245,7 @@ class DFlashDrafter(nn.Module):
     draft-vocabulary head may hold int8 weights instead (draft_dtype int8, `int8_head`,
     models/int8_linear.py), `fc` and the norms staying float32."""
 
-    weight_left_rows: frozenset[int] = frozenset()
+    row_plan: row_kernels.RowPlan = row_kernels.STOCK
     int8_head = False  # draft-vocabulary head rows as int8 (models/int8_linear.py), set at load
 
     def __init__(self, spec: DFlashSpec, embed: nn.Module, lm_head: nn.Module,
@@ -320,7 +320,7 @@ class DFlashDrafter(nn.Module):
             self._draft_head = (key, rows, Int8Linear(rows, bias) if self.int8_head else None)
         rows, int8 = self._draft_head[1:]
         if int8 is None:
-            return row_kernels.linear(hidden.to(dtype), rows, bias, self.weight_left_rows).float()
+            return row_kernels.linear(hidden.to(dtype), rows, bias, self.row_plan).float()
         # the int8 head ranks the vocabulary; its leaders are recomputed in float, so the drafted
         # argmax is the float head's (int8 alone cost a little acceptance, docs/dflash.md)
         logits = int8(hidden).float()

@@ -12,6 +12,11 @@ count, so it is measured for the loaded model and cached, per row count; the cho
 every method alike, plain decoding included (a single row is then fed as two identical rows),
 so speed-ups stay measured against the fastest plain decoding this runtime has.
 
+The GEMM also favours some row counts over others: with two threads here, 4 rows took less time
+than 3, 8 less than 7, and 16 rows 87 ms against 147 ms for 15. So a row count may be padded with
+zero rows up to a larger one that measured clearly faster; the plan maps each row count to the
+rows it computes (1 is always padded to at least 2: a GEMM needs two rows).
+
 Only the kernel changes: each output row is the same dot products, summed in another order, so
 logits differ from the stock path by float rounding (about 1e-4 on SmolLM2), as they already
 do between a one-row and a many-row forward. Installed on CPU float32 models only.
@@ -21,35 +26,40 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # above this a forward is a prefill or a batch, where the stock GEMM is right
 METHOD = "alternating"  # names how `measure` times, in its cache files: older ones are measured again
-KERNELS = "v2"  # names the weight-left kernel's code (v2: row-major output) in timing caches that depend on it
+KERNELS = "v3"  # names the weight-left kernel's code (v2: row-major output, v3: padded rows) in timing caches
+
+
+RowPlan = Mapping[int, int]  # row count -> the rows its products compute as W @ x^T (>= it); absent: stock
+STOCK: RowPlan = MappingProxyType({})
 
 
 class RowKernelLinear(torch.nn.Linear):
-    """nn.Linear that computes W @ x^T for the row counts in `weight_left_rows` (shared by all
-    layers of one model)."""
+    """nn.Linear that follows a row plan (shared by all layers of one model)."""
 
-    weight_left_rows: frozenset[int] = frozenset()
+    row_plan: RowPlan = STOCK
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_left_rows)
+        return linear(x, self.weight, self.bias, self.row_plan)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           weight_left_rows: frozenset[int]) -> torch.Tensor:
-    """F.linear, computed as W @ x^T when x's row count is in `weight_left_rows`."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RowPlan) -> torch.Tensor:
+    """F.linear, computed as W @ x^T over zero-padded rows where `plan` says so."""
     rows = x.numel() // x.shape[-1]
-    if rows not in weight_left_rows:
+    if rows not in plan:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:
-        flat = torch.cat([flat, flat])  # a GEMM needs two rows; the copy's result is dropped
+    padded = max(plan[rows], 2)  # a GEMM needs two rows
+    if padded > rows:
+        flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[-1])])
     # row-major again: elementwise ops keep their input's layout, so a transposed result would
     # reach the next product (the MLP's down projection) as a [K, rows] operand, which took 3x as
     # long there (SmolLM2-135M, 2 threads: verifying 2 tokens cost 1.37x one, 1.12x with this copy)
@@ -59,14 +69,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def install(model: torch.nn.Module, weight_left_rows: frozenset[int]) -> int:
-    """Route the model's plain nn.Linear layers through RowKernelLinear with this choice; returns
+def install(model: torch.nn.Module, plan: RowPlan) -> int:
+    """Route the model's plain nn.Linear layers through RowKernelLinear with this plan; returns
     how many layers it covers. The weights are not copied."""
     layers = [m for m in model.modules() if type(m) in (torch.nn.Linear, RowKernelLinear)]
+    frozen = MappingProxyType(dict(plan))
     for layer in layers:
         layer.__class__ = RowKernelLinear
-        layer.weight_left_rows = frozenset(weight_left_rows)
+        layer.row_plan = frozen
     return len(layers)
+
+
+def tag(plan: RowPlan) -> str:
+    """Names a plan in file names: "-wl1p2.2.3p4-v2" (n, or n padded to m as "npm"; "" when stock)."""
+    if not plan:
+        return ""
+    rows = ".".join(str(n) if plan[n] == n else f"{n}p{plan[n]}" for n in sorted(plan))
+    return f"-wl{rows}-{KERNELS}"
 
 
 def applies(model: torch.nn.Module) -> bool:
@@ -91,7 +110,7 @@ def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, r
 
     device = next(model.parameters()).device
     prefix = torch.tensor([[(10 + i) % vocab_size for i in range(prefix_len)]], device=device)
-    ways = {"stock": frozenset(), "weight_left": frozenset(range(1, max_rows + 1))}
+    ways = {"stock": STOCK, "weight_left": {n: n for n in range(1, max_rows + 1)}}
     cache = DynamicCache()
     model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
     result: dict[str, list[float]] = {name: [] for name in ways}
@@ -112,16 +131,24 @@ def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, r
     return result
 
 
-def choose(timings: dict[str, list[float]], margin: float = 0.95) -> frozenset[int]:
-    """Row counts where W @ x^T took under `margin` of the stock time (noise stays stock)."""
-    return frozenset(n for n, (stock, left) in enumerate(zip(timings["stock"], timings["weight_left"]), 1)
-                     if left < margin * stock)
+def choose(timings: dict[str, list[float]], margin: float = 0.95) -> RowPlan:
+    """For each row count n, W @ x^T where it took under `margin` of the stock time, over the
+    rows m >= n whose weight-left forward was fastest, padding only where that was under `margin`
+    of n's own time (noise stays stock, and unpadded)."""
+    stock, left = timings["stock"], timings["weight_left"]
+    plan = {}
+    for n in range(1, len(stock) + 1):
+        m = min(range(n, len(left) + 1), key=lambda r: (left[r - 1], r))
+        m = m if left[m - 1] < margin * left[n - 1] else n
+        if left[m - 1] < margin * stock[n - 1]:
+            plan[n] = m
+    return MappingProxyType(plan)
 
 
-def tune(model: torch.nn.Module, vocab_size: int, key: str, cache_dir: Path | None) -> frozenset[int]:
+def tune(model: torch.nn.Module, vocab_size: int, key: str, cache_dir: Path | None) -> RowPlan:
     """Measure (or read from `cache_dir/row-kernels/<key>.json`) and install the choice."""
     if not applies(model):
-        return frozenset()
+        return STOCK
     path = Path(cache_dir) / "row-kernels" / f"{key}-t{torch.get_num_threads()}-{METHOD}-{KERNELS}.json" if cache_dir else None
     if path is not None and path.exists():
         timings = json.loads(path.read_text())

@@ -50,7 +50,7 @@ class TargetModel:
     name: str = ""
     _captured: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _hooked: tuple[int, ...] = field(default=(), repr=False)
-    weight_left_rows: frozenset[int] = field(default=frozenset(), repr=False)  # row_kernels.py
+    row_plan: row_kernels.RowPlan = field(default_factory=dict, repr=False)  # row_kernels.py
 
     def __post_init__(self) -> None:
         self.model.eval()
@@ -138,20 +138,19 @@ class TargetModel:
                 "so no draft can be verified on it; use ar"
             )
 
-    def tune_row_kernels(self, cache_dir: Path | None) -> frozenset[int]:
+    def tune_row_kernels(self, cache_dir: Path | None) -> row_kernels.RowPlan:
         """Pick, by measurement (cached under `cache_dir`), the matmul kernel of each few-row
         forward (row_kernels.py); attention-only models on CPU in float32, else nothing."""
         if self.family.recurrent or not row_kernels.applies(self.model):
-            return frozenset()
+            return row_kernels.STOCK
         key = f"{Path(str(self.name)).name}-{self.device.type}-{str(self.dtype).split('.')[-1]}"
-        self.weight_left_rows = row_kernels.tune(self.model, self.vocab_size, key, cache_dir)
-        return self.weight_left_rows
+        self.row_plan = row_kernels.tune(self.model, self.vocab_size, key, cache_dir)
+        return self.row_plan
 
     @property
     def kernel_tag(self) -> str:
-        """Names the row-kernel choice in caches of timings that depend on it ("" when stock)."""
-        rows = sorted(self.weight_left_rows)
-        return f"-wl{'.'.join(map(str, rows))}-{row_kernels.KERNELS}" if rows else ""
+        """Names the row plan in caches of timings that depend on it ("" when stock)."""
+        return row_kernels.tag(self.row_plan)
 
     def checkpoint(self, cache: DynamicCache) -> Checkpoint | None:
         """What `keep` needs to undo a verification forward: recurrent states cannot be cropped,

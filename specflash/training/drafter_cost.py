@@ -78,7 +78,7 @@ def measure(target, drafter: str, prompts_per_domain: int = 1, max_new_tokens: i
             "off_step_ms": ms["off_step"], "off_step_ratio": ms["off_step"] / ms["target_step"],
             "block_int8_ms": ms.get("int8"),
             "block_int8_fraction": ms["int8"] / ms["target_step"] if "int8" in ms else None,
-            "row_kernel_rows": sorted(target.weight_left_rows),
+            "row_plan": {str(n): m for n, m in sorted(target.row_plan.items())},
             "block_full_vocab_fraction": ms["full_vocab"] / ms["target_step"],
             "draft_vocab_size": vocab, "samples": len(times["target_step"]), "threads": torch.get_num_threads()}
 
