@@ -41,7 +41,9 @@ def _per_prompt_speedups(samples: Iterable[dict[str, Any]]) -> dict[tuple[str, s
 
 
 def bench_for(preset: str, device: str, docs: Path = DOCS) -> tuple[Path, dict[str, Any]] | None:
-    """The committed benchmark of this preset on this kind of device, if the repository has one."""
+    """The committed benchmark of this preset on this kind of device, if the repository has one:
+    of several (docs/ also keeps narrower A/B runs), the one that compares the most methods."""
+    found = []
     for path in sorted(docs.glob("bench-*.json")):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -50,8 +52,11 @@ def bench_for(preset: str, device: str, docs: Path = DOCS) -> tuple[Path, dict[s
         samples = data.get("samples") or [{}]
         per_prompt = all("prompt_id" in s and "wall" in s for s in samples)  # not a batched benchmark
         if data.get("model") == preset and str(data.get("device", "")).startswith(device) and per_prompt:
-            return path, data
-    return None
+            found.append((len({s["method"] for s in samples}), path, data))
+    if not found:
+        return None
+    _, path, data = max(found, key=lambda item: item[0])  # the first in name order on a tie
+    return path, data
 
 
 def first_run(preset: str, device: str, methods: list[str], docs: Path = DOCS) -> FirstRun:

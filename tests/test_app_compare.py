@@ -90,6 +90,8 @@ def test_the_first_run_is_the_clearest_measured_win(tmp_path):
             samples += [{"method": method, "prompt_id": pid, "wall": wall}, {"method": method, "prompt_id": pid, "wall": wall}]
     _bench(tmp_path / "bench-x-cpu.json", "preset-x", "cpu: 2 threads", samples)
     _bench(tmp_path / "bench-batch-x-cpu.json", "preset-x", "cpu", [{"method": "ar", "rows": 4}])  # not per prompt
+    narrow = [{"method": m, "prompt_id": rewrite.id, "wall": w} for m, w in (("ar", 2.0), ("pld", 0.5))]
+    _bench(tmp_path / "bench-ab-x-cpu.json", "preset-x", "cpu: 2 threads", narrow)  # an A/B of fewer methods
     first = first_run("preset-x", "cpu", ["ar", "pld", "dflash"], docs=tmp_path)
     assert (first.prompt, first.method) == (code.text, "dflash") and "2.00x plain decoding" in first.note
     assert first_run("preset-x", "cpu", ["ar", "pld"], docs=tmp_path).prompt == rewrite.text  # 2.0 / 1.25 = 1.6
