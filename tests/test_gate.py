@@ -47,20 +47,25 @@ def test_switching_on_needs_the_margin_staying_on_does_not():
     assert gate.decide(3).state == "off"  # off again: the margin applies again
 
 
-def test_shadow_interval_doubles_while_drafting_does_not_pay():
+def test_looks_back_off_while_drafting_does_not_pay():
     gate = DraftGate(STEEP, depth=3, probe_every=2, draft_cost=0.5)
     context, looks, states = [1, 2], [], []
     for step in range(90):
         gate.committed(context)
         decision = gate.decide(3)
         states.append(decision.state)
-        if decision.state == "shadow":
+        if decision.state in ("shadow", "probe"):
             looks.append(step)
+        if decision.state == "shadow":
             gate.shadowed(len(context), [7, 7, 7])  # the target never commits 7
         gate.drafted(decision, 0.0)
-        gate.verified(0, 0)
+        gate.verified(decision.width if decision.state == "probe" else 0, 0)  # a real look: every draft rejected
         context.append(5)
-    assert states[0] == "shadow" and states[1] == "off" and "probe" not in states and "on" not in states
+    assert states[0] == "shadow" and states[1] == "off" and "on" not in states
+    # while the estimates are near the prior, a look drafts for real (worth more per unit cost than
+    # a shadow's one token for 1 + d); once misses have pulled them down, the looks are shadows
+    kinds = [states[i] for i in looks[1:]]
+    assert kinds[0] == "probe" and kinds[-1] == "shadow" and kinds == sorted(kinds)
     gaps = [b - a for a, b in zip(looks, looks[1:])]
     # every look fails: 2 * 2, 2 * 4 steps between looks, then capped at 4x
     assert gaps[:2] == [4, 8]
@@ -68,7 +73,7 @@ def test_shadow_interval_doubles_while_drafting_does_not_pay():
 
 
 def test_shadow_drafts_are_scored_against_what_the_target_commits():
-    gate = DraftGate(STEEP, depth=4, draft_cost=0.1)
+    gate = DraftGate(STEEP, depth=4, draft_cost=0.1, smoothing=0.3)
 
     def ema(old, hit):
         return 0.7 * old + 0.3 * hit
@@ -130,23 +135,26 @@ def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, a
     states = [g["state"] for g in gates]
     assert states[0] == "shadow"
     off = states.index("off")
-    assert off <= 3 and "does not pay" in gates[off]["reason"]  # the prior of 0.5 allows a try or two
+    assert off <= 4 and "does not pay" in gates[off]["reason"]  # the prior of 0.5 allows a few tries
     decode, states = decode[off:], states[off:]
-    assert set(states) == {"off", "shadow"}  # once off, it never verified a drafted token again
-    assert all(s.tokens == [] and s.verified == 1 and len(s.committed) == 1 for s in decode)
+    assert set(states) <= {"off", "probe", "shadow"} and "on" not in states  # once off, it stays off
+    assert all(len(s.accepted) == 0 and len(s.committed) == 1 for s in decode)  # nothing it drafts is accepted
+    assert all(s.tokens == [] and s.verified == 1 for s, state in zip(decode, states) if state != "probe")
+    looks = [i for i, state in enumerate(states) if state != "off"]
+    # a look drafts for real while the estimates say that is worth more than a shadow, then shadows
+    kinds = [states[i] for i in looks]
+    assert kinds == sorted(kinds)
+    gaps = [b - a for a, b in zip(looks, looks[1:])]
+    assert gaps[:2] == [8, 16] and set(gaps[2:]) <= {16}  # every 4 steps, doubling to the 16-step cap
     shadows = [s for s, state in zip(decode, states) if state == "shadow"]
     # full blocks (fewer only where the budget ends), scored later, never verified; the trace
     # keeps the one token computed when drafting (the rest only as the gate reaches them)
-    widths = [s.extras["gate"]["width"] for s in shadows]
-    assert widths[0] == 7 and all(1 <= w <= 7 for w in widths)
-    assert all(len(s.extras["shadow"]) == 1 for s in shadows)
+    assert all(1 <= s.extras["gate"]["width"] <= 7 and len(s.extras["shadow"]) == 1 for s in shadows)
     # the head ran for every verified drafted slot, and for one slot per shadow: the first missed
     every_shadow = [g for g in gates if g["state"] == "shadow"]
     assert sum(head_rows) == sum(g["width"] for g in gates if g["state"] in ("on", "probe")) + len(every_shadow)
-    assert len(forwards) == len(run.steps) - 1 - len(decode) + len(shadows)  # then on the shadows only
-    assert 3 <= len(shadows) <= 5  # every 4 steps, doubling to the 16-step cap while they fail
-    # one target forward per committed token
-    assert sum(s.verified for s in decode) == sum(len(s.committed) for s in decode) == len(decode)
+    assert len(forwards) == len(run.steps) - 1 - len(decode) + len(looks)  # then on the looks only
+    assert 3 <= len(looks) <= 5
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"

@@ -62,11 +62,13 @@ def test_the_oracle_drafts_only_what_is_accepted_and_pays():
     assert replay_oracle(one, ReplayCost(CURVE, 0.7, 0.13), 7).drafted == 0
 
 
-def test_the_gate_switches_a_useless_drafter_off_and_pays_only_its_shadows():
+def test_the_gate_switches_a_useless_drafter_off_and_pays_only_its_looks():
     run = AcceptanceRun("writing", list(range(400)), [0] * 400)
     result = replay_gate(run, COST, 7, gate_policy(7, COST)())
-    assert result.drafting_steps == 0 and 0 < result.shadows < result.steps / 8
-    assert result.cost == pytest.approx(result.steps + result.shadows * COST.shadow)
+    # a few real drafts while its estimates fall from the prior, then shadows only
+    assert 0 < result.drafting_steps <= 5 and result.accepted == 0 and 0 < result.shadows < result.steps / 8
+    looks = result.cost - (result.steps + result.shadows * COST.shadow)
+    assert 0 < looks <= result.drafting_steps * (max(CURVE) - 1 + COST.draft)
     assert result.speedup > 0.97
 
 

@@ -40,7 +40,7 @@ class DFlashConfig:
 
     max_draft: int | None = None
     gate: bool = True
-    probe_every: int = 4
+    probe_every: int = 8
     switch_on: float = 1.0
     draft_dtype: str = "auto"
 

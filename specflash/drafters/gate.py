@@ -11,12 +11,15 @@ and the step feeds only the root.
 
 Looking while off. Every `probe_every` steps while off (an interval that doubles after each look
 that did not pay, up to 4x, and resets when drafting pays again), and on the first step, the
-drafter runs a shadow draft: a full block, not verified, scored token by token against what the
-target commits over the next steps. It costs the drafter's block forward, with the head run
-only for the positions scored (their tokens are computed on demand, and scoring stops at the
-first miss), instead of verifying extra tokens: on the 2-core AVX2 CPU, one thread, a shadow
-costs 0.16 of a step where drafting a full block costs 0.21 and verifying one more token 0.36
-to 0.6, so the gate can look often enough to catch a run of predictable text. Scoring by exact match is exact at T = 0 and
+gate looks. Where verifying is dear, a look is a shadow draft: a full block, not verified, scored
+token by token against what the target commits over the next steps. It costs the drafter's block
+forward, with the head run only for the positions scored (their tokens are computed on demand,
+and scoring stops at the first miss). On the 2-core AVX2 CPU, one thread, a shadow cost 0.16 of a
+step where verifying one more token cost 0.36 to 0.6. Where verifying is cheap (the same CPU
+after the seventeenth session's kernel fix: 0.04 to 0.2 for up to 3 more tokens), a look drafts
+and verifies for real at the best width: it tells the gate as much, and commits what is accepted.
+Each look takes whichever its own estimates value more per unit cost, the real draft or the
+shadow's one token for 1 + d. Scoring by exact match is exact at T = 0 and
 unbiased above it for argmax drafts (a point mass x is accepted with probability p(x), the chance
 that the target samples x). While on at a width below the full depth, a full-depth probe every
 `2 * probe_every` steps keeps the deeper positions' estimates fresh.
@@ -26,6 +29,12 @@ Switching on. While off, drafting starts again only when the best width is worth
 for a shadow that matches a few tokens by chance and lifts the estimates for one step, after
 which the gate pays to verify drafts that fail. The default, 1.0, is no margin: on the tuning
 requests 1.1 and 1.25 measured no gain beyond run-to-run noise (docs/dflash.md, the draft gate).
+
+Memory. The acceptance estimates are EMAs with weight `smoothing` 0.1 on each observation, and the
+gate looks every `probe_every` = 8 steps while off (DFlashConfig). With 0.3 an estimate near the
+break-even point dipped below it after two or three misses, switching drafting off where it paid
+on average; replayed on recorded acceptance (docs/dflash.md, replaying the gate), 0.1 with looks
+every 8 steps was at or near the best of the settings tried at both the old and the new costs.
 
 Calibration. The cost curve it starts from is measured once per model and device on a short
 prefix and cached; the run itself can pay more per verified token (more threads or fewer, other
@@ -67,7 +76,7 @@ class GateDecision:
 
 
 class DraftGate:
-    def __init__(self, cost: list[float], depth: int, probe_every: int = 4, smoothing: float = 0.3,
+    def __init__(self, cost: list[float], depth: int, probe_every: int = 8, smoothing: float = 0.1,
                  draft_cost: float | None = None, switch_on: float = 1.0) -> None:
         """`cost` [c(1)=1, c(2), ...] at least depth + 1 long; `draft_cost` fixes d (in units
         of one target step) instead of timing it, for reproducible decisions; `switch_on` is the
@@ -141,8 +150,7 @@ class DraftGate:
         self.drafting = best > 0 and not waiting
         if not self.drafting:
             if self.shadow is None and self.since_probe >= self.probe_every * self.backoff:
-                return GateDecision("shadow", depth, values[depth], f"drafting off for {self.since_probe} steps: a "
-                                    "shadow draft, scored against the tokens the target commits next")
+                return self._look(values)
             if waiting:
                 return GateDecision("off", 0, 1.0, f"drafting off: width {best} is worth {values[best]:.2f}x plain "
                                                    f"decoding, switching on needs {self.switch_on:.2f}x")
@@ -155,6 +163,19 @@ class DraftGate:
             return GateDecision("probe", depth, values[depth], f"refreshing positions past width {best}")
         return GateDecision("on", best, values[best], f"width {best} is worth {values[best]:.2f}x plain decoding "
                                                       f"(verifying {best + 1} tokens costs {cost[best]:.2f}x one)")
+
+    def _look(self, values: list[float]) -> GateDecision:
+        """A look while off: a shadow draft, or a real one where verifying it is worth more than a
+        shadow, which commits one token for the block's cost (values[m] per unit cost vs 1 / (1 + d))."""
+        depth = len(values) - 1
+        width = _best_width([0.0, *values[1:]])
+        shadow = 1.0 / (1.0 + (self.draft_cost or 0.0))
+        if values[width] > shadow:
+            return GateDecision("probe", width, values[width], f"drafting off for {self.since_probe} steps: a look "
+                                f"by drafting {width} for real, worth {values[width]:.2f}x plain decoding against a "
+                                f"shadow's {shadow:.2f}x")
+        return GateDecision("shadow", depth, values[depth], f"drafting off for {self.since_probe} steps: a "
+                            "shadow draft, scored against the tokens the target commits next")
 
     # ---- observations ----------------------------------------------------------------------
 
