@@ -99,3 +99,23 @@ def test_step_costs_come_from_real_steps_relative_to_plain_decoding(tiny_targets
     cost = measure_step_costs(target, str(tmp_path), [PROMPTS[0]], depth=3, max_new_tokens=12)
     assert len(cost.curve) == 4 and cost.curve[0] == 1.0
     assert all(c > 0 for c in cost.curve) and cost.draft > 0 and cost.shadow > 0
+
+
+def test_step_costs_leave_out_the_first_decode_step(tiny_targets, tmp_path, monkeypatch):
+    """There the drafter also reads the prompt's features: a cost measured on it is no step's."""
+    import specflash.step_costs as step_costs
+
+    target = tiny_targets["llama"]
+    save_drafter(random_drafter(target, block=4), tmp_path)
+    real = step_costs.generate
+
+    def slow_first_step(*args, **kwargs):
+        run = real(*args, **kwargs)
+        first = next(s for s in run.steps if s.phase == "decode")
+        first.draft_time += 100.0
+        first.verify_time += 100.0
+        return run
+
+    monkeypatch.setattr(step_costs, "generate", slow_first_step)
+    cost = measure_step_costs(target, str(tmp_path), [PROMPTS[0]], depth=3, max_new_tokens=12)
+    assert max(cost.curve) < 50 and cost.draft < 50 and cost.shadow < 50
