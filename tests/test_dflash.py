@@ -117,15 +117,18 @@ def test_drafter_dtype_choice(tiny_targets, monkeypatch):
         DFlashConfig(draft_dtype="int4")
 
 
-def test_int8_weights_are_only_taken_when_asked_for(tiny_targets, monkeypatch):
+def test_int8_weights_are_taken_when_asked_for_or_auto_without_bf16_units(tiny_targets, monkeypatch):
     from specflash.models import dflash_io, int8_linear
 
     target = tiny_targets["llama"]
     monkeypatch.setattr(int8_linear, "available", lambda: True)
     monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: False)
-    assert dflash_io.drafter_int8(target, "int8")
-    assert not any(dflash_io.drafter_int8(target, c) for c in ("auto", "target", "float32", "bfloat16"))
+    assert dflash_io.drafter_int8(target, "int8") and dflash_io.drafter_int8(target, "auto")
+    assert not any(dflash_io.drafter_int8(target, c) for c in ("target", "float32", "bfloat16"))
+    monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: True)
+    assert not dflash_io.drafter_int8(target, "auto")  # bfloat16 there
     monkeypatch.setattr(int8_linear, "available", lambda: False)
+    assert not dflash_io.drafter_int8(target, "auto")
     with pytest.raises(MethodConfigError, match="int8 engine"):
         dflash_io.drafter_int8(target, "int8")
 

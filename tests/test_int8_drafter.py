@@ -54,20 +54,22 @@ def test_an_int8_drafter_drafts_like_the_float_one_and_decodes_losslessly(tiny_t
     assert (b != a).sum(-1).min() > 0 and (b == a).sum(-1).max() <= INT8_RESCORED
 
 
-def test_adaflash_takes_int8_weights_by_default_where_bf16_is_not_native(tiny_targets, tmp_path, monkeypatch):
+def test_dflash_drafters_take_int8_weights_by_default_where_bf16_is_not_native(tiny_targets, tmp_path, monkeypatch):
     target = tiny_targets["llama"]
     save_drafter(vocab_drafter(target, spread_ids(target, 60), layers=2), tmp_path)
-    plain = {"rule": "fixed", "gate": False}  # neither needs the verify-cost curve
     monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: False)
+    plain = {"rule": "fixed", "gate": False}  # neither needs the verify-cost curve
     adaflash = build_drafter("adaflash", target, plain, str(tmp_path))
     assert adaflash.model.int8_head and adaflash.config_dict()["drafter_precision"] == "int8"
     dflash = build_drafter("dflash", target, {"gate": False}, str(tmp_path))
-    assert not dflash.model.int8_head and dflash.config_dict()["drafter_precision"] == "float32"
-    asked_float = build_drafter("adaflash", target, {**plain, "draft_dtype": "float32"}, str(tmp_path))
-    assert not asked_float.model.int8_head
+    assert dflash.model.int8_head and dflash.config_dict()["drafter_precision"] == "int8"
+    for method, options in (("adaflash", plain), ("dflash", {"gate": False})):
+        asked = build_drafter(method, target, {**options, "draft_dtype": "float32"}, str(tmp_path))
+        assert not asked.model.int8_head and asked.config_dict()["drafter_precision"] == "float32"
     ids = target.tokenizer("def add(a, b):")["input_ids"]
-    run = generate(target, ids, drafter=adaflash, max_new_tokens=24, stop_on_eos=False)
-    assert run.output_ids == hf_greedy(target, ids, 24)
+    for drafter in (adaflash, dflash):
+        run = generate(target, ids, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
+        assert run.output_ids == hf_greedy(target, ids, 24)
     monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: True)  # there "auto" means bfloat16
-    native = build_drafter("adaflash", target, plain, str(tmp_path))
+    native = build_drafter("dflash", target, {"gate": False}, str(tmp_path))
     assert not native.model.int8_head and native.config_dict()["drafter_precision"] == "bfloat16"

@@ -44,9 +44,7 @@ ESTIMATES = ("confidence", "head")
 
 @dataclass(frozen=True)
 class AdaFlashConfig(DFlashConfig):
-    """DFlash's options plus the cut rule's. `draft_dtype` "auto" also takes int8 weights beside a
-    float32 target on a CPU with an int8 engine and no bf16 matrix units (dflash_io.drafter_int8:
-    the cost rule turns a cheaper block into more verified drafts); "float32" keeps them float."""
+    """DFlash's options plus the cut rule's."""
 
     rule: str = field(default="cost", metadata={"choices": RULES})
     fixed_len: int = 3
@@ -178,7 +176,7 @@ CONFIG = AdaFlashConfig
 def build(target, cfg: AdaFlashConfig, drafter: str | None, cache_dir: Path | None = None) -> AdaFlashDrafter:
     from ..models.acquire import default_cache_dir
 
-    model = load_dflash_model(target, drafter, "adaflash", cfg.draft_dtype, int8_when_auto=True)
+    model = load_dflash_model(target, drafter, "adaflash", cfg.draft_dtype)
     head = load_length_head(drafter_folder(str(drafter)), model.spec.hidden_size)
     cost = None
     if cfg.rule == "cost" or cfg.gate:

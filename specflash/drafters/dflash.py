@@ -35,8 +35,9 @@ class DFlashConfig:
     draft gate (gate.py) shrink the draft, down to none, when recent acceptance does not pay for
     drafting on this device; it probes again every `probe_every` steps or more, and starts drafting
     again once a width is worth `switch_on` times plain decoding. `draft_dtype` is what the drafter
-    computes in (models/dflash_io.py drafter_dtype: "auto" is bfloat16 beside a float32 target on a
-    CPU with bf16 matrix units, else the target's dtype); it changes drafting speed, never the output."""
+    computes in (models/dflash_io.py drafter_dtype and drafter_int8: "auto" is bfloat16 beside a
+    float32 target on a CPU with bf16 matrix units, int8 weights on one without them that has an
+    int8 engine, else the target's dtype); it changes drafting speed, never the output."""
 
     max_draft: int | None = None
     gate: bool = True
@@ -250,10 +251,9 @@ def gate_cost(target, cfg: DFlashConfig, block_size: int, cache_dir: Path | None
     return cached_verify_cost(target, block_size, cache_dir or default_cache_dir()) if cfg.gate else None
 
 
-def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "target",
-                      int8_when_auto: bool = False) -> DFlashDrafter:
-    """The DFlash drafter network for `target`, computing in `dtype` (drafter_dtype's choices;
-    `int8_when_auto`: drafter_int8's); `method` names who asked, for the error."""
+def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "target") -> DFlashDrafter:
+    """The DFlash drafter network for `target`, computing in `dtype` (drafter_dtype's and
+    drafter_int8's choices); `method` names who asked, for the error."""
     from ..models.dflash_io import drafter_dtype, drafter_int8, load_drafter
 
     if not drafter:
@@ -265,6 +265,6 @@ def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "ta
     if row_kernels.applies(model):  # the drafter's few-row forwards take the target's measured kernels
         row_kernels.install(model, target.row_plan)
         model.row_plan = target.row_plan
-    if drafter_int8(target, dtype, int8_when_auto):
+    if drafter_int8(target, dtype):
         model.quantize_int8()
     return model

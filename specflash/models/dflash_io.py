@@ -342,8 +342,9 @@ def bf16_matrix_units() -> bool:
 
 def drafter_dtype(target, choice: str = "auto") -> torch.dtype:
     """The dtype a drafter computes in beside `target`: `choice` "auto" is bfloat16 for a float32
-    target on a CPU with bf16 matrix units and the target's dtype everywhere else; "target" is
-    always the target's; "int8" float32 around int8 weights (drafter_int8); or a dtype by name.
+    target on a CPU with bf16 matrix units, float32 around int8 weights where drafter_int8 picks
+    them, and the target's dtype everywhere else; "target" is always the target's; "int8" float32
+    around int8 weights; or a dtype by name.
     Only drafting changes: verification is the target's, so every output stays exact."""
     if choice == "target":
         return target.dtype
@@ -357,22 +358,22 @@ def drafter_dtype(target, choice: str = "auto") -> torch.dtype:
     return DRAFTER_DTYPES[choice]
 
 
-def drafter_int8(target, choice: str = "auto", int8_when_auto: bool = False) -> bool:
+def drafter_int8(target, choice: str = "auto") -> bool:
     """Whether the drafter's decoder layers and draft head hold int8 weights (models/int8_linear.py).
-    `choice` "int8" asks for them and needs a CPU with an int8 engine. "auto" picks them only for a
-    method that asks (`int8_when_auto`), beside a float32 target on such a CPU without bf16 matrix
-    units (where "auto" already means bfloat16). AdaFlash asks: it weighs each drafted block's cost,
-    so a block that costs half lets it verify more of its drafts; on the 2-core AVX2 CPU int8
-    `adaflash` was at or above float32 `adaflash` in every side-by-side run (docs/adaflash.md).
-    `dflash` does not: with its gate it was no faster in int8 (docs/dflash.md, the drafter's own
-    dtype)."""
+    `choice` "int8" asks for them and needs a CPU with an int8 engine; "auto" picks them beside a
+    float32 target on such a CPU without bf16 matrix units (where "auto" means bfloat16). Once
+    verifying got cheap there (the seventeenth session's kernel fix), the block's cost was a larger
+    share of a step, and int8 weights, which halve it for 1.2% fewer accepted drafts, paid: replayed
+    on the same recorded acceptance and verify costs, `dflash` 1.33x `ar` against 1.30x, `adaflash`
+    1.37x against 1.32x; side by side in the bench, at or above float32 in every run (docs/dflash.md,
+    the drafter's own dtype)."""
     on_cpu = torch.device(target.device).type == "cpu"
     if choice == "int8":
         if not on_cpu or not int8_linear.available():
             raise MethodConfigError(f"draft_dtype int8 needs a CPU with an int8 engine (this target runs on "
                                     f"{target.device}); use auto")
         return True
-    if choice != "auto" or not int8_when_auto:
+    if choice != "auto":
         return False
     return on_cpu and target.dtype == torch.float32 and int8_linear.available() and not bf16_matrix_units()
 

@@ -1,4 +1,4 @@
-"""Int8 weights for a drafter's few-row products on a CPU (draft_dtype int8, opt-in).
+"""Int8 weights for a drafter's few-row products on a CPU (draft_dtype int8; "auto" on CPUs without bf16 units).
 
 Why: a drafter block is a handful of rows through its layers' ~7 M weights and its draft head,
 and at so few rows a float32 product costs the time it takes to stream its weights from memory.
@@ -6,8 +6,9 @@ On the project's 2-core AVX2 CPU a SmolLM2 block took 9.6 ms, 22% of a target st
 what the draft gate weighs each look and each draft against. PyTorch's fbgemm dynamic int8
 linear (weights int8 per output channel, activations quantized per call) reads a quarter of the
 bytes: a block cost 4.8 ms against 9.4 ms, at 1.769 tokens per step on the tuning requests
-against 1.789 in float32. It is not the default: with the draft gate on, `dflash` was no faster
-end to end (docs/dflash.md, the drafter's own dtype).
+against 1.789 in float32. Opt-in while verifying was dear here, the default ("auto",
+dflash_io.drafter_int8) since verifying got cheap and the block became a larger share of a step
+(docs/dflash.md, the drafter's own dtype).
 
 The fusion layer `fc` stays float: the target's features carry most of their energy in one or
 two dimensions (docs/dflash.md, preconditioning), which one activation scale per call would

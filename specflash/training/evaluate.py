@@ -11,6 +11,7 @@ deviation and range, the figure AdaFlash says on-policy distillation lowers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -30,9 +31,13 @@ def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_
                          max_new_tokens: int = 64, method: str = "dflash") -> dict[str, Any]:
     """{"domains": {domain: mean acceptance length}, "mean", "std", "range", "outputs": ids per prompt}."""
     from ..api import encode_prompt, generate_batch
-    from ..drafters import build_drafter
+    from ..drafters import build_drafter, method_info
 
-    single = build_drafter(method, target, None, drafter)  # loaded once, shared by every domain's batch
+    # loaded once, shared by every domain's batch; a DFlash drafter in the target's dtype, so the
+    # table measures its own weights, not the int8 or bf16 copy the engine may run on some CPUs
+    knobs = {f.name for f in dataclasses.fields(method_info(method).load().CONFIG)}
+    own_weights = {"draft_dtype": "target"} if "draft_dtype" in knobs else None
+    single = build_drafter(method, target, own_weights, drafter)
     by_domain, outputs = {}, {}
     for domain in domains:
         prompts = heldout_prompts(domain)[:per_domain]
