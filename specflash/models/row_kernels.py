@@ -9,7 +9,7 @@ the other way round, W @ x^T (the weight as the left operand, which the GEMM str
 repacking), cost 0.8x and 0.95x: cheaper than the one-token forward itself, whose matrix-vector
 kernel left one core idle. Which way wins depends on the machine, the thread count and the row
 count, so it is measured for the loaded model and cached, per row count; the choice applies to
-every method alike, plain decoding included (a single row is then fed as two identical rows),
+every method alike, plain decoding included (a single row is then padded to two),
 so speed-ups stay measured against the fastest plain decoding this runtime has.
 
 The GEMM also favours some row counts over others: with two threads here, 4 rows took less time
@@ -81,7 +81,7 @@ def install(model: torch.nn.Module, plan: RowPlan) -> int:
 
 
 def tag(plan: RowPlan) -> str:
-    """Names a plan in file names: "-wl1p2.2.3p4-v2" (n, or n padded to m as "npm"; "" when stock)."""
+    """Names a plan in file names, "-wl1.2.3p4-<KERNELS>" (n, or n padded to m as "npm"; "" when stock)."""
     if not plan:
         return ""
     rows = ".".join(str(n) if plan[n] == n else f"{n}p{plan[n]}" for n in sorted(plan))
