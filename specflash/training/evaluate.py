@@ -11,7 +11,6 @@ deviation and range, the figure AdaFlash says on-policy distillation lowers.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import statistics
@@ -32,11 +31,12 @@ def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_
     """{"domains": {domain: mean acceptance length}, "mean", "std", "range", "outputs": ids per prompt}."""
     from ..api import encode_prompt, generate_batch
     from ..drafters import build_drafter, method_info
+    from ..drafters.dflash import DFlashConfig
 
     # loaded once, shared by every domain's batch; a DFlash drafter in the target's dtype, so the
     # table measures its own weights, not the int8 or bf16 copy the engine may run on some CPUs
-    knobs = {f.name for f in dataclasses.fields(method_info(method).load().CONFIG)}
-    own_weights = {"draft_dtype": "target"} if "draft_dtype" in knobs else None
+    dflash_family = issubclass(method_info(method).load().CONFIG, DFlashConfig)
+    own_weights = {"draft_dtype": "target"} if dflash_family else None
     single = build_drafter(method, target, own_weights, drafter)
     by_domain, outputs = {}, {}
     for domain in domains:
