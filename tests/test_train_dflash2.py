@@ -267,6 +267,36 @@ def test_dflash_trainer_grows_a_shallower_drafter(setup, tmp_path):
     assert run.output_ids == ar.output_ids
 
 
+def test_dflash_trainer_retrains_a_drafter_at_another_block_size(setup, tmp_path):
+    """`--init-from` a block-8 drafter with `--block-size 4`: the block size shapes no weight, so
+    the weights carry over unchanged (one step at learning rate 0), the export is a block-4 drafter that decodes
+    losslessly; resuming a run's own checkpoint at another block size is still refused."""
+    from specflash.training import dflash
+
+    tmp, target, model_dir = setup
+
+    def train(out, *extra):
+        argv = ["--model", str(model_dir), "--data", str(tmp / "data"), "--target-layer-ids", "1", "--out", str(out),
+                "--epochs", "9", "--anchors", "8", "--seqs-per-step", "2", "--no-feature-cache", *extra]
+        return dflash.main(argv)
+
+    assert train(tmp_path / "eight", "--steps", "1", "--draft-vocab", str(DRAFT_VOCAB)) == 0
+    source = tmp_path / "eight" / "export"
+    assert train(tmp_path / "four", "--steps", "1", "--lr", "0", "--block-size", "4", "--init-from", str(source)) == 0
+    export = tmp_path / "four" / "export"
+    assert json.loads((source / "config.json").read_text())["block_size"] == 8
+    assert json.loads((export / "config.json").read_text())["block_size"] == 4
+    before, after = load_file(str(source / "model.safetensors")), load_file(str(export / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    ar = specflash.generate(target, ids, "ar", max_new_tokens=16, stop_on_eos=False)
+    run = specflash.generate(target, ids, "dflash", drafter=str(export), options={"gate": False},
+                             max_new_tokens=16, stop_on_eos=False)
+    assert run.output_ids == ar.output_ids
+    assert max(len(s.tokens) for s in decode_steps(run)) == 3
+    assert train(tmp_path / "eight", "--steps", "2", "--block-size", "4") == 2
+
+
 def test_drafter_starts_from_the_targets_next_layers(setup):
     """`--init target`: each draft layer is a copy of the target layer after the deepest feature
     layer, `fc` passes that layer's features through (plus a tenth of its random start), and a

@@ -20,7 +20,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -161,7 +161,8 @@ def save_checkpoint(out: Path, model: DFlashDrafter, opt: torch.optim.Optimizer,
 
 def init_or_resume(args, target: TargetModel, out: Path) -> tuple[DFlashDrafter, torch.optim.Optimizer, Progress]:
     """A fresh drafter (random, from the target's top layers, or from `--init-from` a drafter
-    folder, which may be shallower: it grows, see `grow_from`), or the last checkpoint in `out` (whose shape must match the arguments)."""
+    folder, which may be shallower: it grows, see `grow_from`, or trained at another block size),
+    or the last checkpoint in `out` (whose shape must match the arguments)."""
     spec = build_spec(args, target)
     ckpt = out / CHECKPOINT
     resuming = (ckpt / TRAINER_STATE).is_file()
@@ -187,6 +188,9 @@ def init_or_resume(args, target: TargetModel, out: Path) -> tuple[DFlashDrafter,
         model.init_weights(torch.Generator().manual_seed(args.seed))
         grow_from(model, tensors, target, str(source))
         return model, opt, Progress()
+    if not resuming:
+        # The block size shapes no weight, only what is trained: a drafter may be retrained at another.
+        saved = replace(saved, block_size=spec.block_size)
     if saved != spec:
         raise SpecFlashError(f"{source} holds a drafter of another shape ({saved}); pass matching options or another --name")
     load_state(model, tensors, str(source))
