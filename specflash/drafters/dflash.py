@@ -74,13 +74,19 @@ class DFlashEngineDrafter(Drafter):
         if cfg.gate and cost is None:
             raise MethodConfigError("the draft gate needs the device's verify-cost curve; pass cost= or gate=False")
         self.cost = cost
+        self.gate: DraftGate | None = None
+        self._gate_temperature: float | None = None  # the sampling temperature self.gate learned at
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
         self.cache = DFlashCache(self.spec.num_layers)
         self.pending: list[torch.Tensor] = []  # features [m, n_feat*H] not yet in the cache
-        self.gate = (DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on)
-                     if self.cfg.gate else None)
+        earlier, self.gate = self.gate, None
+        if self.cfg.gate:
+            self.gate = DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on)
+            if earlier is not None and self._gate_temperature == sampling.temperature:
+                self.gate.carry_from(earlier)
+        self._gate_temperature = sampling.temperature
 
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)
