@@ -164,6 +164,18 @@ def test_acceptance_by_domain(opd_run, tiny_targets):
     assert ar["outputs"] == result["outputs"] and ar["mean"] == 1.0
 
 
+def test_acceptance_by_domain_caps_the_drafted_depth(opd_run, tiny_targets):
+    """`max_draft` caps the tokens drafted per step, so drafters of different block sizes compare at
+    the same depth; the outputs stay the target's."""
+    target = tiny_targets["qwen3"]
+    drafter = str(opd_run / "drafter")
+    full = evaluate.acceptance_by_domain(target, drafter, ("math", "code"), per_domain=2, max_new_tokens=8)
+    two = evaluate.acceptance_by_domain(target, drafter, ("math", "code"), per_domain=2, max_new_tokens=8, max_draft=2)
+    assert two["outputs"] == full["outputs"]
+    assert all(v > 2 for v in full["drafted_per_step"].values())  # the tiny drafter's block drafts up to 7
+    assert all(0 < v <= 2 for v in two["drafted_per_step"].values())
+
+
 def test_scripts_fail_with_one_line_and_status_2(tiny_dirs, tmp_path, capsys):
     args = _opd_args(tmp_path, tiny_dirs["qwen3"], tmp_path / "no-such-drafter")
     assert opd.main(args) == 2

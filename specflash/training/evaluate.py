@@ -27,8 +27,12 @@ from .entry import run_script
 
 
 def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_domain: int = 4,
-                         max_new_tokens: int = 64, method: str = "dflash") -> dict[str, Any]:
-    """{"domains": {domain: mean acceptance length}, "mean", "std", "range", "outputs": ids per prompt}."""
+                         max_new_tokens: int = 64, method: str = "dflash",
+                         max_draft: int | None = None) -> dict[str, Any]:
+    """{"domains": {domain: mean acceptance length}, "mean", "std", "range", "drafted_per_step":
+    {domain: mean drafted tokens per decode step}, "outputs": ids per prompt}.
+    `max_draft` caps the drafted tokens per step (a DFlash-family option), so that drafters of
+    different block sizes compare at the same depth."""
     from ..api import encode_prompt, generate_batch
     from ..drafters import build_drafter, method_info
     from ..drafters.dflash import DFlashConfig
@@ -36,19 +40,22 @@ def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_
     # loaded once, shared by every domain's batch; a DFlash drafter in the target's dtype, so the
     # table measures its own weights, not the int8 or bf16 copy the engine may run on some CPUs
     dflash_family = issubclass(method_info(method).load().CONFIG, DFlashConfig)
-    own_weights = {"draft_dtype": "target"} if dflash_family else None
-    single = build_drafter(method, target, own_weights, drafter)
-    by_domain, outputs = {}, {}
+    options = {"draft_dtype": "target"} if dflash_family else {}
+    if max_draft is not None:
+        options["max_draft"] = max_draft
+    single = build_drafter(method, target, options or None, drafter)
+    by_domain, drafted, outputs = {}, {}, {}
     for domain in domains:
         prompts = heldout_prompts(domain)[:per_domain]
         result = generate_batch(target, [encode_prompt(target, p.text) for p in prompts], method=method,
                                 max_new_tokens=max_new_tokens, drafter=single)
         steps = [s for run in result.runs for s in decode_steps(run)]
         by_domain[domain] = sum(len(s.committed) for s in steps) / max(1, len(steps))
+        drafted[domain] = sum(len(s.tokens) for s in steps) / max(1, len(steps))
         outputs.update({p.id: run.output_ids for p, run in zip(prompts, result.runs)})
     values = list(by_domain.values())
-    return {"domains": by_domain, "mean": statistics.fmean(values),
-            "std": statistics.pstdev(values), "range": max(values) - min(values), "outputs": outputs}
+    return {"domains": by_domain, "mean": statistics.fmean(values), "std": statistics.pstdev(values),
+            "range": max(values) - min(values), "drafted_per_step": drafted, "outputs": outputs}
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
@@ -70,6 +77,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--domains", default=",".join(DOMAINS), type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--per-domain", type=int, default=4, help="held-out prompts per domain")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-draft", type=int, default=None,
+                   help="draft at most this many tokens per step (default: the drafter's block size - 1)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--zlab-view", action="store_true",
                    help="also evaluate each drafter as a full-vocabulary z-lab loader reads it (no d2t map)")
@@ -104,7 +113,8 @@ def compare(args: argparse.Namespace) -> str:
         if args.zlab_view:
             runs += [(f"{label} (z-lab loader, full vocabulary)", str(zlab_view(Path(d), Path(scratch) / str(i))))
                      for i, (label, d) in enumerate(runs)]
-        results = {label: acceptance_by_domain(target, drafter, args.domains, args.per_domain, args.max_new_tokens)
+        results = {label: acceptance_by_domain(target, drafter, args.domains, args.per_domain, args.max_new_tokens,
+                                               max_draft=args.max_draft)
                    for label, drafter in runs}
     outputs = [r.pop("outputs") for r in results.values()]
     identical = all(o == outputs[0] for o in outputs)
