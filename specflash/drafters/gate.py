@@ -47,7 +47,7 @@ a wider one it reads c(n) from its own timings (unseen widths: the cached curve 
 ratio measured at the seen ones). When it has drafted from the start it takes one plain step to
 time it, and again every `4 * probe_every` steps, so the estimate follows the machine's load.
 
-Memory across requests. A drafter built once serves many requests (a server, `bench`, the app),
+Memory across requests. A drafter built once serves many requests (a server, `bench`),
 and a fresh gate per request spent its first decode step on a shadow draft (no estimate yet) and
 a later one timing a plain step: about 2 of the 30 steps of a 48-token answer without drafting.
 So the engine drafter hands each new request's gate what the previous one learned at the same
