@@ -47,12 +47,16 @@ a wider one it reads c(n) from its own timings (unseen widths: the cached curve 
 ratio measured at the seen ones). When it has drafted from the start it takes one plain step to
 time it, and again every `4 * probe_every` steps, so the estimate follows the machine's load.
 
-Memory across requests. A drafter built once serves many requests (a server, `bench`),
-and a fresh gate per request spent its first decode step on a shadow draft (no estimate yet) and
-a later one timing a plain step: about 2 of the 30 steps of a 48-token answer without drafting.
-So the engine drafter hands each new request's gate what the previous one learned at the same
-temperature (`carry_from`): the acceptance estimates and the timings. The first step then drafts
-(or not) on those, and its reason says that they were carried.
+Memory across requests. A drafter built once serves many requests (a server, `bench`), and a
+fresh gate per request spent its first decode step on a shadow draft (no estimate yet) and began
+drafting from a prior of 0.5 at every position. So the engine drafter hands each new request's
+gate the acceptance estimates the previous one learned at the same temperature (`carry_from`):
+the first step drafts on them or, where they say drafting does not pay, looks at once, and its
+reason says that they were carried. Of the timings only a plain step's is carried (it is
+re-timed every `4 * probe_every` steps); wider steps are timed afresh in each request. Carried,
+a width's timing is refreshed only while that width is drafted, so one taken at a noisy moment
+kept the gate off that width for good: in a 10-method benchmark, `dflash2`'s acceptance fell
+from one repeat to the next, to no drafting at all on half the prompts by the third.
 
 The gate only changes how many tokens are drafted, never what is verified or how, so every
 method that uses it stays lossless. Each decision goes into the trace (`GateDecision`).
@@ -108,12 +112,17 @@ class DraftGate:
         self.carried = False  # estimates from an earlier request, not yet used by a decision
 
     def carry_from(self, earlier: "DraftGate") -> None:
-        """Start from an earlier request's acceptance estimates and timings (same drafter, device
-        and sampling temperature); looks, shadows and backoff start afresh."""
+        """Start from an earlier request's acceptance estimates (same drafter, device and sampling
+        temperature) and its timing of a plain step, so the first step can draft. Wider steps are
+        timed afresh: a width's timing is refreshed only while that width is drafted, so one
+        carried from a noisy moment kept the gate off that width, or off altogether, for the rest
+        of a benchmark. If the estimates say off, the first step looks at once."""
         if earlier.depth != self.depth or earlier.prior != self.prior:
             raise ValueError("a gate carries estimates only from a gate of the same depth and cost curve")
-        self.accept, self.seconds = list(earlier.accept), dict(earlier.seconds)
-        self.draft_cost, self.step_time, self.since_plain = earlier.draft_cost, earlier.step_time, earlier.since_plain
+        self.accept = list(earlier.accept)
+        if 1 in earlier.seconds:  # re-timed at least every 4 * probe_every steps, so never stale for long
+            self.seconds[1] = earlier.seconds[1]
+        self.since_probe = self.probe_every
         self.carried = earlier.accept[0] is not None
 
     # ---- decisions -------------------------------------------------------------------------
