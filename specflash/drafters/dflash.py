@@ -34,9 +34,7 @@ class DFlashConfig:
     of drafted tokens per step, e.g. to trade acceptance for cheaper verification. `gate` lets the
     draft gate (gate.py) shrink the draft, down to none, when recent acceptance does not pay for
     drafting on this device; it probes again every `probe_every` steps or more, and starts drafting
-    again once a width is worth `switch_on` times plain decoding; with `carry_gate` a drafter that
-    serves several requests starts each one's gate from the previous one's acceptance estimates
-    (gate.py, memory across requests), false starts every request afresh. `draft_dtype` is what the drafter
+    again once a width is worth `switch_on` times plain decoding. `draft_dtype` is what the drafter
     computes in (models/dflash_io.py drafter_dtype and drafter_int8: "auto" is bfloat16 beside a
     float32 target on a CPU with bf16 matrix units, int8 weights on one without them that has an
     int8 engine, else the target's dtype); it changes drafting speed, never the output."""
@@ -45,7 +43,6 @@ class DFlashConfig:
     gate: bool = True
     probe_every: int = 8
     switch_on: float = 1.0
-    carry_gate: bool = True
     draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -55,8 +52,6 @@ class DFlashConfig:
             raise MethodConfigError(f"max_draft must be an integer >= 1 or None, got {self.max_draft!r}")
         if not isinstance(self.gate, bool):
             raise MethodConfigError(f"gate must be true or false, got {self.gate!r}")
-        if not isinstance(self.carry_gate, bool):
-            raise MethodConfigError(f"carry_gate must be true or false, got {self.carry_gate!r}")
         if not isinstance(self.probe_every, int) or isinstance(self.probe_every, bool) or self.probe_every < 1:
             raise MethodConfigError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if isinstance(self.switch_on, bool) or not isinstance(self.switch_on, (int, float)) or not self.switch_on >= 1:
@@ -79,19 +74,13 @@ class DFlashEngineDrafter(Drafter):
         if cfg.gate and cost is None:
             raise MethodConfigError("the draft gate needs the device's verify-cost curve; pass cost= or gate=False")
         self.cost = cost
-        self.gate: DraftGate | None = None
-        self._gate_temperature: float | None = None  # the sampling temperature self.gate learned at
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
         self.cache = DFlashCache(self.spec.num_layers)
         self.pending: list[torch.Tensor] = []  # features [m, n_feat*H] not yet in the cache
-        earlier, self.gate = self.gate, None
-        if self.cfg.gate:
-            self.gate = DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on)
-            if self.cfg.carry_gate and earlier is not None and self._gate_temperature == sampling.temperature:
-                self.gate.carry_from(earlier)
-        self._gate_temperature = sampling.temperature
+        self.gate = (DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on)
+                     if self.cfg.gate else None)
 
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)

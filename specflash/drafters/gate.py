@@ -47,17 +47,6 @@ a wider one it reads c(n) from its own timings (unseen widths: the cached curve 
 ratio measured at the seen ones). When it has drafted from the start it takes one plain step to
 time it, and again every `4 * probe_every` steps, so the estimate follows the machine's load.
 
-Memory across requests. A drafter built once serves many requests (a server, `bench`), and a
-fresh gate per request spent its first decode step on a shadow draft (no estimate yet) and began
-drafting from a prior of 0.5 at every position. So the engine drafter hands each new request's
-gate the acceptance estimates the previous one learned at the same temperature (`carry_from`):
-the first step drafts on them or, where they say drafting does not pay, looks at once, and its
-reason says that they were carried. Of the timings only a plain step's is carried (it is
-re-timed every `4 * probe_every` steps); wider steps are timed afresh in each request. Carried,
-a width's timing is refreshed only while that width is drafted, so one taken at a noisy moment
-kept the gate off that width for good: in a 10-method benchmark, `dflash2`'s acceptance fell
-from one repeat to the next, to no drafting at all on half the prompts by the third.
-
 The gate only changes how many tokens are drafted, never what is verified or how, so every
 method that uses it stays lossless. Each decision goes into the trace (`GateDecision`).
 """
@@ -67,7 +56,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 _MAX_BACKOFF = 4
 
@@ -109,21 +98,6 @@ class DraftGate:
         self.shadow: tuple[int, Sequence[int], int] | None = None  # (context length, tokens, positions scored)
         self._last: tuple[float, float, int] | None = None  # (step start, draft seconds, verified count)
         self._pending = GateDecision("off", 0, 1.0, "")
-        self.carried = False  # estimates from an earlier request, not yet used by a decision
-
-    def carry_from(self, earlier: "DraftGate") -> None:
-        """Start from an earlier request's acceptance estimates (same drafter, device and sampling
-        temperature) and its timing of a plain step, so the first step can draft. Wider steps are
-        timed afresh: a width's timing is refreshed only while that width is drafted, so one
-        carried from a noisy moment kept the gate off that width, or off altogether, for the rest
-        of a benchmark. If the estimates say off, the first step looks at once."""
-        if earlier.depth != self.depth or earlier.prior != self.prior:
-            raise ValueError("a gate carries estimates only from a gate of the same depth and cost curve")
-        self.accept = list(earlier.accept)
-        if 1 in earlier.seconds:  # re-timed at least every 4 * probe_every steps, so never stale for long
-            self.seconds[1] = earlier.seconds[1]
-        self.since_probe = self.probe_every
-        self.carried = earlier.accept[0] is not None
 
     # ---- decisions -------------------------------------------------------------------------
 
@@ -163,13 +137,6 @@ class DraftGate:
 
     def decide(self, room: int) -> GateDecision:
         """The width for the next step, at most `room`."""
-        decision = self._decide(room)
-        if self.carried:
-            self.carried = False
-            decision = replace(decision, reason=f"{decision.reason}; estimates carried from the previous request")
-        return decision
-
-    def _decide(self, room: int) -> GateDecision:
         depth = min(self.depth, room)
         if depth <= 0:
             return GateDecision("off", 0, 1.0, "no room left to draft")
