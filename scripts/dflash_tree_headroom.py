@@ -27,7 +27,7 @@ import torch
 
 from specflash.models.dflash_io import load_drafter
 from specflash.training.data import load_training_target
-from specflash.training.dflash_objective import block_forward, block_labels, draft_labels
+from specflash.training.dflash_objective import block_forward, block_labels, slot_logits
 from specflash.training.validation import held_out_blocks
 
 
@@ -37,13 +37,7 @@ def label_ranks(model, blocks, top_k: int) -> list[list[int]]:
     out = []
     for seq, feats, anchors in blocks:
         hidden = block_forward(model, seq, feats.float(), anchors)
-        labels, valid = block_labels(seq.next_ids, anchors, model.spec.block_size)
-        if model.draft_ids is not None:
-            labels, inside = draft_labels(model.draft_ids, labels)
-            valid = valid & inside
-            logits = model.draft_logits(hidden[:, 1:])
-        else:
-            logits = model.logits(hidden[:, 1:])
+        logits, labels, valid = slot_logits(model, hidden, *block_labels(seq.next_ids, anchors, model.spec.block_size))
         hit = logits.topk(top_k, -1).indices == labels[..., None]
         rank = torch.where(hit.any(-1) & valid, hit.float().argmax(-1), torch.full_like(labels, top_k))
         out.extend(rank.tolist())

@@ -12,10 +12,9 @@ and the step feeds only the root.
 Looking while off. Every `probe_every` steps while off (an interval that doubles after each look
 that did not pay, up to 4x, and resets when drafting pays again) the gate looks, and on the first
 step, before it has any estimate, it looks with a shadow draft. Where verifying is dear, every look
-is a shadow draft: a full block, not verified, scored
-token by token against what the target commits over the next steps. It costs the drafter's block
-forward, with the head run only for the positions scored (their tokens are computed on demand,
-and scoring stops at the first miss). On the 2-core AVX2 CPU, one thread, a shadow cost 0.16 of a
+is a shadow draft: a full block, not verified, scored token by token against what the target
+commits over the next steps. It costs the drafter's block forward, with the head run only for the
+positions scored (their tokens are computed on demand, and scoring stops at the first miss). On the 2-core AVX2 CPU, one thread, a shadow cost 0.16 of a
 step where verifying one more token cost 0.36 to 0.6. Where verifying is cheap (the same CPU
 after the seventeenth session's kernel fix: 0.04 to 0.2 for up to 3 more tokens), a look drafts
 and verifies for real at the best width: it tells the gate as much, and commits what is accepted.

@@ -137,16 +137,13 @@ def sequence_loss(
     hidden = block_forward(model, seq, features, anchors)  # [N, L, H]
     next_ids = seq.next_ids.to(device)
     labels, valid = block_labels(next_ids, anchors.to(device), L)
-    reachable, columns = valid, None
-    if model.draft_ids is not None and vocab is None:
-        labels, inside = draft_labels(model.draft_ids, labels)
-        reachable, columns = valid & inside, model.draft_ids
-        logits = model.draft_logits(hidden[:, 1:]).float()  # [N, L-1, N_draft]
+    if vocab is None:
+        logits, labels, reachable = slot_logits(model, hidden, labels, valid)  # [N, L-1, N_draft or V]
+        columns = model.draft_ids
     else:
-        if vocab is not None:
-            vocab = torch.unique(torch.cat([vocab.to(device), labels.flatten()]))  # sorted [K']
-            labels, columns = torch.searchsorted(vocab, labels), vocab
-        logits = model.logits(hidden[:, 1:], vocab).float()  # [N, L-1, V or K']
+        vocab = torch.unique(torch.cat([vocab.to(device), labels.flatten()]))  # sorted [K']
+        labels, columns, reachable = torch.searchsorted(vocab, labels), vocab, valid
+        logits = model.logits(hidden[:, 1:], vocab).float()  # [N, L-1, K']
     w = weights.to(device)[None] * reachable  # [N, L-1]
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(n, L - 1)
     loss, total = (ce * w).sum(), float(w.sum())
@@ -160,6 +157,16 @@ def sequence_loss(
         slot1 = int(((logits[:, 0].argmax(-1) == labels[:, 0]) & reachable[:, 0]).sum())
         leading = leading_correct(logits, labels, reachable)
     return StepStats(loss, total, slot1, n, int(leading.sum()))
+
+
+def slot_logits(model: DFlashDrafter, hidden: torch.Tensor, labels: torch.Tensor,
+                valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafted slots' logits over what the drafter can draft (its draft vocabulary, or all),
+    the labels as indices into those columns, and which labels it could have drafted at all."""
+    if model.draft_ids is None:
+        return model.logits(hidden[:, 1:]).float(), labels, valid
+    labels, inside = draft_labels(model.draft_ids, labels)
+    return model.draft_logits(hidden[:, 1:]).float(), labels, valid & inside
 
 
 def draft_labels(draft_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
