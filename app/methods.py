@@ -27,6 +27,7 @@ LABELS = {
     "max_draft": "max draft length",
     "alpha": "α",
     "beta": "β",
+    "lookup": "prompt lookup beside the drafter",
 }
 
 

@@ -265,12 +265,24 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float 
 
 
 def gate_summary(steps: Sequence[StepRecord]) -> str | None:
-    """How many steps the draft gate drafted, skipped and probed (None when no gate ran)."""
+    """How many steps the draft gate drafted, skipped and probed, and prompt lookup drafted
+    instead (None when no gate ran)."""
     states = [s.extras["gate"]["state"] for s in steps if "gate" in s.extras]
     if not states:
         return None
+    lookup = f", prompt lookup {states.count('lookup')}" if "lookup" in states else ""
     return (f"on {states.count('on')}, off {states.count('off')}, probe {states.count('probe')}, "
-            f"shadow {states.count('shadow')} steps")
+            f"shadow {states.count('shadow')}{lookup} steps")
+
+
+def lookup_note(step: StepRecord) -> str | None:
+    """Why a learned method's step has no record of its own drafter: prompt lookup drafted it
+    (the method's `lookup` option); None when it did not."""
+    lookup = step.extras.get("lookup")
+    if not lookup:
+        return None
+    return (f"prompt lookup drafted this step instead of the drafter: the last {lookup['ngram']} token(s) occurred "
+            f"earlier in the text, and the {len(lookup['tokens'])} that followed them were worth more")
 
 
 def verification_rule(step: StepRecord, temperature: float) -> str:

@@ -22,7 +22,7 @@ import plotly.graph_objects as go
 from specflash.drafters.adaflash import AdaFlashConfig
 from specflash.trace import RunRecord, StepRecord
 
-from .views import ORIGINS, STATUS_COLOURS, node_status, token_text
+from .views import ORIGINS, STATUS_COLOURS, lookup_note, node_status, token_text
 
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AdaFlashConfig)}
 WHAT_IT_SHOWS = (
@@ -213,7 +213,8 @@ def adaflash_cut_html(step: StepRecord, texts: Mapping[int, str], config: Mappin
     """The step's draft as verified, a ✂ where the rule cut it, then the tokens it cut."""
     cut = step_cut(step, config)
     if cut is None:
-        return f"<p>Step {step.step} has no AdaFlash record (no draft this step).</p>"
+        why = lookup_note(step) or "no draft this step"
+        return f"<p>Step {step.step} has no AdaFlash record ({html.escape(why)}).</p>"
     colours = {"accepted": ORIGINS["accepted"][1], "rejected": ORIGINS["resample"][1], "unverified": "#eee"}
     kept = "".join(_chip(repr(token_text(texts, t)), colours[s], f"draft-{s}")
                    for t, s in zip(step.tokens, node_status(step)))

@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 
 from specflash.trace import RunRecord, StepRecord
 
-from .views import STATUS_COLOURS, node_status, token_text
+from .views import STATUS_COLOURS, lookup_note, node_status, token_text
 
 SOURCES = (("long", "long expert (DFlash, whole context)", "#3366cc"),
            ("short", "short expert (local head, recent tokens)", "#ff9900"),
@@ -136,7 +136,8 @@ def _advantage_trace(key: str, name: str, colour: str, positions: list[Position]
 def _step_summary(step: StepRecord, positions: list[Position]) -> str:
     """One sentence: how many tokens were drafted, flipped, accepted."""
     if not positions:
-        return f"step {step.step}: no DeLS draft this step (prefill, or the draft gate skipped drafting)"
+        why = lookup_note(step) or "prefill, or the draft gate skipped drafting"
+        return f"step {step.step}: no DeLS draft this step ({why})"
     flips = [p.index for p in positions if p.flipped]
     flipped = f"flipped at position{'s' if len(flips) > 1 else ''} {', '.join(map(str, flips))}" if flips else "no flip"
     return (f"step {step.step}: {len(positions)} drafted, short expert {flipped}; "

@@ -27,7 +27,7 @@ from plotly.subplots import make_subplots
 
 from specflash.trace import StepRecord
 
-from .views import STATUS_COLOURS, token_text
+from .views import STATUS_COLOURS, lookup_note, token_text
 
 NO_LATTICE = (
     "<p>This tab draws DFlash 2's candidate lattice for every step: the top-K candidates of each block "
@@ -339,7 +339,7 @@ def no_lattice_reason(step: StepRecord) -> str:
     elif not step.tokens:
         why = "nothing was drafted (the draft gate skipped it, or no token was left to draft)"
     else:
-        why = "its draft came without a DFlash 2 lattice"
+        why = lookup_note(step) or "its draft came without a DFlash 2 lattice"
     return f"Step {step.step} has no lattice: {why}."
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 import specflash
-from app import views, views_tree
+from app import views, views_adaflash, views_dels, views_lattice, views_tree
 from app.methods import all_knobs, available_methods, method_knobs, options_for
 from specflash.errors import SpecFlashError
 from specflash.models.presets import default_drafter
@@ -109,6 +109,21 @@ def test_step_inspector_says_why_the_draft_gate_drafted_nothing():
     assert views.gate_summary([skipped, skipped, probe, shadow]) == "on 0, off 2, probe 1, shadow 1 steps"
     assert "shadow draft 3 tokens deep, starting ' the'" in views.no_draft_reason(shadow, {1: " the"})
     assert views.gate_summary([chain_step()]) is None
+
+
+def test_a_prompt_lookup_step_says_so_in_every_view():
+    lookup = {"state": "lookup", "width": 4, "value": 1.8, "reason": "the last 3 token(s) occurred earlier: drafting "
+              "the 4 that followed is worth 1.80x plain decoding, the drafter's best 1.10x"}
+    step = chain_step(q=None, extras={"gate": lookup, "lookup": {"tokens": [5, 6, 7, 8], "ngram": 3, "value": 1.8,
+                                                               "against": 1.1}})
+    assert views.stop_summary(step, {}).startswith("Draft gate lookup: the last 3 token(s) occurred earlier")
+    assert views.gate_summary([step, chain_step(extras={"gate": {**lookup, "state": "on"}})]) == (
+        "on 1, off 0, probe 0, shadow 0, prompt lookup 1 steps")
+    note = "prompt lookup drafted this step instead of the drafter: the last 3 token(s) occurred earlier"
+    assert views.lookup_note(step).startswith(note) and views.lookup_note(chain_step()) is None
+    assert note in views_lattice.no_lattice_reason(step)
+    assert note in views_adaflash.adaflash_cut_html(step, {}, {})
+    assert note in views_dels._step_summary(step, [])
 
 
 def test_step_inspector_marks_where_verification_stopped():

@@ -126,7 +126,9 @@ def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, a
     model.register_forward_hook(lambda *_: forwards.append(1))
     draft_probs = model.draft_probs
     monkeypatch.setattr(model, "draft_probs", lambda hidden: head_rows.append(len(hidden)) or draft_probs(hidden))
-    cfg = {"dflash": DFlashConfig(probe_every=4), "adaflash": AdaFlashConfig(probe_every=4, rule="fixed", fixed_len=7)}
+    # the gate alone: prompt lookup beside it (tests/test_lookup_source.py) would draft on this text
+    cfg = {"dflash": DFlashConfig(probe_every=4, lookup=False),
+           "adaflash": AdaFlashConfig(probe_every=4, rule="fixed", fixed_len=7, lookup=False)}
     drafter = {"dflash": DFlashEngineDrafter, "adaflash": AdaFlashDrafter}[method](model, cfg[method], STEEP)
     run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=60)
     assert run.output_ids == hf_greedy(target, prompt_ids, 60)
@@ -166,7 +168,7 @@ def test_gated_dflash_stays_lossless_and_keeps_drafting_when_it_pays(tiny_target
     greedy = hf_greedy(target, prompt_ids, 40)
     # a drafter whose vocabulary is exactly the target's greedy tokens, on a free verifier, drafts on
     model = vocab_drafter(target, sorted(set(greedy)), feature_layers=(1,))
-    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(), FLAT), max_new_tokens=40,
+    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(lookup=False), FLAT), max_new_tokens=40,
                    stop_on_eos=False)
     assert run.output_ids == greedy
     assert all("gate" in s.extras for s in run.steps[1:])
@@ -177,7 +179,7 @@ def test_gate_records_are_plain_json(tiny_targets, monkeypatch):
     target = tiny_targets["qwen3"]
     prompt_ids = target.tokenizer(PROMPT)["input_ids"]
     model = _useless(target, prompt_ids, 12)
-    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(), STEEP), max_new_tokens=12)
+    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(lookup=False), STEEP), max_new_tokens=12)
     from specflash.trace import RunRecord
 
     again = RunRecord.from_json(run.to_json())

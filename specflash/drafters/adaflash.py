@@ -163,7 +163,7 @@ class AdaFlashDrafter(DFlashEngineDrafter):
 
     def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
         super().verified(draft, logits, path, committed)
-        if self.cfg.rule == "heuristic" and len(draft.tree):
+        if self.cfg.rule == "heuristic" and len(draft.tree) and "lookup" not in draft.extras:
             self.window = self.window + 2 if len(path) == len(draft.tree) else max(1, self.window - 1)
 
     def config_dict(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from ..models.dflash_io import DRAFTER_DTYPE_CHOICES
 from ..tree import DraftTree
 from .base import Draft, Drafter
 from .gate import DraftGate, GateDecision
+from .lookup_source import LookupSource
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,10 @@ class DFlashConfig:
     of drafted tokens per step, e.g. to trade acceptance for cheaper verification. `gate` lets the
     draft gate (gate.py) shrink the draft, down to none, when recent acceptance does not pay for
     drafting on this device; it probes again every `probe_every` steps or more, and starts drafting
-    again once a width is worth `switch_on` times plain decoding. `draft_dtype` is what the drafter
+    again once a width is worth `switch_on` times plain decoding. `lookup` adds prompt lookup as a
+    second source of drafts (lookup_source.py), chosen over the drafter on steps where the gate's
+    estimates value it more; `lookup=false` shows the drafter alone, and so does `gate=false`,
+    which drafts the drafter's block every step with nothing to choose between sources. `draft_dtype` is what the drafter
     computes in (models/dflash_io.py drafter_dtype and drafter_int8: "auto" is bfloat16 beside a
     float32 target on a CPU with bf16 matrix units, int8 weights on one without them that has an
     int8 engine, else the target's dtype); it changes drafting speed, never the output."""
@@ -44,6 +48,7 @@ class DFlashConfig:
     probe_every: int = 8
     switch_on: float = 1.0
     draft_dtype: str = "auto"
+    lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
@@ -56,6 +61,8 @@ class DFlashConfig:
             raise MethodConfigError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if isinstance(self.switch_on, bool) or not isinstance(self.switch_on, (int, float)) or not self.switch_on >= 1:
             raise MethodConfigError(f"switch_on must be a number >= 1 (1 = no margin), got {self.switch_on!r}")
+        if not isinstance(self.lookup, bool):
+            raise MethodConfigError(f"lookup must be true or false, got {self.lookup!r}")
         if self.draft_dtype not in DRAFTER_DTYPE_CHOICES:
             raise MethodConfigError(f"draft_dtype must be one of {', '.join(DRAFTER_DTYPE_CHOICES)}, "
                                     f"got {self.draft_dtype!r}")
@@ -81,6 +88,7 @@ class DFlashEngineDrafter(Drafter):
         self.pending: list[torch.Tensor] = []  # features [m, n_feat*H] not yet in the cache
         self.gate = (DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on)
                      if self.cfg.gate else None)
+        self.lookups = LookupSource(self.draft_len) if self.cfg.lookup and self.cfg.gate else None
 
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)
@@ -117,11 +125,29 @@ class DFlashEngineDrafter(Drafter):
         a shadow draft is kept for the gate to score and nothing is verified."""
         started = time.perf_counter()
         k, decision = self.step_width(context, max_len)
+        lookup = self.lookup_draft(context, max_len)
+        if lookup is not None:
+            return self.gated(*lookup, started)
         if decision is not None and decision.state == "shadow":
             draft = self.shadow(context, k)
         else:
             draft = self.draft_block(context, k) if k > 0 else Draft.empty()
         return self.gated(draft, decision, started)
+
+    def lookup_draft(self, context: list[int], max_len: int) -> tuple[Draft, GateDecision] | None:
+        """Prompt lookup's draft and the decision that picked it, when lookup is on and its
+        continuation is worth more this step than anything the gate would do with the drafter."""
+        if self.lookups is None:
+            return None
+        room = min(self.draft_len, max_len)
+        offer = self.lookups.offer(context, room, self.gate.cost, self.gate.best_value(room))
+        if offer is None:
+            return None
+        n, width = offer.ngram, len(offer.tokens)
+        decision = GateDecision("lookup", width, offer.value,
+                                f"the last {n} token(s) occurred earlier: drafting the {width} that followed is worth "
+                                f"{offer.value:.2f}x plain decoding, the drafter's best {offer.against:.2f}x")
+        return Draft(DraftTree.chain(offer.tokens), extras={"lookup": offer.to_dict()}), decision
 
     def shadow(self, context: list[int], k: int) -> Draft:
         """Hand the gate a shadow chain of depth k to score later; verify nothing this step. The
@@ -174,7 +200,7 @@ class DFlashEngineDrafter(Drafter):
 
     def config_dict(self) -> dict[str, Any]:
         precision = "int8" if self.model.int8_head else str(self.model.compute_dtype).removeprefix("torch.")
-        return {**asdict(self.cfg), "block_size": self.spec.block_size,
+        return {**asdict(self.cfg), "lookup": self.cfg.lookup and self.cfg.gate, "block_size": self.spec.block_size,
                 "target_layer_ids": list(self.feature_layers), "draft_layers": self.spec.num_layers,
                 "drafter_precision": precision}
 

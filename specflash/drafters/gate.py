@@ -62,9 +62,10 @@ _MAX_BACKOFF = 4
 
 @dataclass(frozen=True)
 class GateDecision:
-    """One step's decision, as the trace records it: `state` is "on", "off", "probe" or
-    "shadow" (drafted, not verified); `width` the drafted depth allowed; `value` the expected
-    tokens per unit cost of that width (1.0 is plain decoding); `reason` in words."""
+    """One step's decision, as the trace records it: `state` is "on", "off", "probe",
+    "shadow" (drafted, not verified) or "lookup" (prompt lookup's draft verified instead of the
+    drafter's, lookup_source.py); `width` the drafted depth allowed; `value` the expected tokens
+    per unit cost of that width (1.0 is plain decoding); `reason` in words."""
 
     state: str
     width: int
@@ -102,11 +103,7 @@ class DraftGate:
 
     def rates(self) -> list[float]:
         """Per-position acceptance estimates; an unobserved position takes the one before it (0.5 first)."""
-        out, last = [], 0.5
-        for a in self.accept:
-            last = a if a is not None else last
-            out.append(last)
-        return out
+        return chain_rates(self.accept)
 
     @property
     def cost(self) -> list[float]:
@@ -125,14 +122,13 @@ class DraftGate:
 
     def value(self, m: int, cost: list[float] | None = None) -> float:
         """Expected committed tokens per unit cost when drafting m tokens."""
-        cost = cost or self.cost
-        if m == 0:
-            return 1.0 / cost[0]
-        expected, survive = 1.0, 1.0
-        for a in self.rates()[:m]:
-            survive *= a
-            expected += survive
-        return expected / (cost[m] + (self.draft_cost or 0.0))
+        return chain_value(self.rates(), m, cost or self.cost, self.draft_cost or 0.0)
+
+    def best_value(self, room: int) -> float:
+        """What the best width up to `room` is worth (plain decoding, 1.0, included), for a second
+        source of drafts to beat (lookup_source.py)."""
+        cost = self.cost
+        return max(self.value(m, cost) for m in range(min(self.depth, room) + 1))
 
     def decide(self, room: int) -> GateDecision:
         """The width for the next step, at most `room`."""
@@ -197,7 +193,7 @@ class DraftGate:
         """After drafting under `decision` (seconds: the drafter's time, 0 when off)."""
         if self._last is not None:
             self._last = (self._last[0], seconds, 1)
-        if decision.width and self.calibrate and self.step_time is not None:
+        if decision.width and decision.state != "lookup" and self.calibrate and self.step_time is not None:
             d = seconds / self.step_time
             self.draft_cost = d if self.draft_cost is None else self._ema(self.draft_cost, d)
         if decision.state in ("probe", "shadow"):
@@ -208,7 +204,8 @@ class DraftGate:
         """After verification: `drafted` tokens were verified, the first `accepted` of them kept."""
         if self._last is not None:
             self._last = (self._last[0], self._last[1], drafted + 1)
-        self._observe(drafted, accepted)
+        if self._pending.state != "lookup":
+            observe_chain(self.accept, drafted, accepted, self.smoothing)
         if drafted and self._pending.state == "probe":
             self._looked()
 
@@ -235,13 +232,8 @@ class DraftGate:
                 return
         self.shadow = (start, tokens, len(got))
 
-    def _observe(self, drafted: int, accepted: int) -> None:
-        for i in range(min(drafted, accepted + 1)):
-            self._update(i, i < accepted)
-
     def _update(self, position: int, hit: bool) -> None:
-        """EMA of the position's conditional acceptance, from its current estimate (0.5 at first)."""
-        self.accept[position] = self._ema(self.rates()[position], 1.0 if hit else 0.0)
+        update_rate(self.accept, position, hit, self.smoothing)
 
     def _looked(self) -> None:
         """After a probe or a shadow: look again sooner if drafting now pays, later if not."""
@@ -258,3 +250,38 @@ class DraftGate:
 def _best_width(values: list[float]) -> int:
     """The width worth most (values[m]: expected tokens per unit cost of drafting m); the narrower on a tie."""
     return max(range(len(values)), key=lambda m: (values[m], -m))
+
+
+def chain_rates(accept: Sequence[float | None]) -> list[float]:
+    """Per-position acceptance estimates of a chain; an unobserved position takes the one before
+    it (0.5 first)."""
+    out, last = [], 0.5
+    for a in accept:
+        last = a if a is not None else last
+        out.append(last)
+    return out
+
+
+def chain_value(rates: Sequence[float], m: int, cost: Sequence[float], draft_cost: float = 0.0) -> float:
+    """Expected committed tokens per unit cost of verifying a chain of m drafted tokens whose
+    positions are accepted at `rates` (each given the one before), drafted for `draft_cost`."""
+    if m == 0:
+        return 1.0 / cost[0]
+    expected, survive = 1.0, 1.0
+    for a in rates[:m]:
+        survive *= a
+        expected += survive
+    return expected / (cost[m] + draft_cost)
+
+
+def update_rate(accept: list[float | None], position: int, hit: bool, smoothing: float) -> None:
+    """EMA of the position's conditional acceptance, from its current estimate (0.5 at first)."""
+    old = chain_rates(accept)[position]
+    accept[position] = (1 - smoothing) * old + smoothing * (1.0 if hit else 0.0)
+
+
+def observe_chain(accept: list[float | None], drafted: int, accepted: int, smoothing: float) -> None:
+    """A verified chain of `drafted` tokens kept its first `accepted`: each position up to the
+    first miss is scored (the ones after it say nothing, having lost their prefix)."""
+    for i in range(min(drafted, accepted + 1)):
+        update_rate(accept, i, i < accepted, smoothing)

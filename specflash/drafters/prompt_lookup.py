@@ -18,17 +18,23 @@ from ..tree import DraftTree
 
 def lookup(context: list[int], cfg: PromptLookupConfig, max_len: int) -> list[int]:
     """Tokens that followed the latest earlier match of the context's last n-gram."""
+    return lookup_match(context, cfg, max_len)[0]
+
+
+def lookup_match(context: list[int], cfg: PromptLookupConfig, max_len: int) -> tuple[list[int], int]:
+    """`lookup`'s tokens and the length n of the n-gram that matched (0 and no tokens: none did),
+    since a longer match predicts its continuation better."""
     limit = min(cfg.k, max_len)
     if limit <= 0:
-        return []
+        return [], 0
     for n in range(min(cfg.max_ngram, len(context) - 1), cfg.min_ngram - 1, -1):
         tail = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):
             if context[start : start + n] == tail:
                 follow = context[start + n : start + n + limit]
                 if follow:
-                    return follow
-    return []
+                    return follow, n
+    return [], 0
 
 
 class PromptLookupDrafter(Drafter):

@@ -1,0 +1,164 @@
+"""Prompt lookup beside a learned drafter: the match, the choice of source, and losslessness."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import LOSSLESS_ARCHS, hf_greedy
+from specflash.api import generate
+from specflash.config import PromptLookupConfig
+from specflash.drafters.adaflash import AdaFlashConfig, AdaFlashDrafter
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
+from specflash.drafters.gate import DraftGate, chain_value
+from specflash.drafters.lookup_source import LookupSource
+from specflash.drafters.prompt_lookup import lookup, lookup_match
+from specflash.errors import MethodConfigError
+from specflash.models.target import TargetModel
+from test_draft_vocab import vocab_drafter
+from test_gate import PROMPT, STEEP, _cpu_like_costs, _useless
+
+
+def test_match_says_how_long_the_ngram_was():
+    cfg = PromptLookupConfig(k=3, max_ngram=3, min_ngram=1)
+    assert lookup_match([5, 6, 7, 8, 9, 5, 6, 7], cfg, 8) == ([8, 9, 5], 3)
+    assert lookup_match([4, 6, 7, 8, 9, 5, 6, 7], cfg, 8) == ([8, 9, 5], 2)
+    assert lookup_match([4, 2, 7, 8, 9, 5, 6, 7], cfg, 2) == ([8, 9], 1)
+    assert lookup_match([1, 2, 3], cfg, 8) == ([], 0)
+    assert lookup([5, 6, 7, 8, 9, 5, 6, 7], cfg, 8) == [8, 9, 5]
+
+
+def test_offer_beats_the_drafter_or_stays_out():
+    source = LookupSource(depth=4)
+    context = [5, 6, 7, 8, 9, 1, 5, 6, 7]  # the last 3 tokens occurred before, followed by 8 9 1 5
+    source.accept[3] = [0.9] * 4
+    offer = source.offer(context, room=4, cost=[1.0] * 5, against=1.2)
+    assert offer is not None and offer.tokens == [8, 9, 1, 5] and offer.ngram == 3
+    assert offer.value == pytest.approx(chain_value([0.9] * 4, 4, [1.0] * 5)) and offer.against == 1.2
+    assert source.offer(context, room=2, cost=[1.0] * 5, against=1.2).tokens == [8, 9]
+    source.accept[3] = [0.9, 0.5, 0.2, 0.2]  # past two tokens the continuation is rarely right
+    assert source.offer(context, room=4, cost=[1.0] * 5, against=1.0).tokens == [8, 9, 1, 5]
+    assert source.offer(context, room=4, cost=STEEP, against=1.0).tokens == [8, 9]  # not worth verifying on CPU
+    assert source.offer(context, room=4, cost=[1.0] * 5, against=offer.value) is None
+    source.accept[3] = [0.05] * 4
+    assert source.offer(context, room=4, cost=STEEP, against=1.0) is None
+    assert source.offer([1, 2, 3], room=4, cost=[1.0] * 5, against=0.0) is None  # no match at all
+
+
+def test_every_continuation_is_scored_against_what_the_target_commits():
+    """Offered or not, each step's continuation is scored position by position as the target
+    commits tokens, up to its first miss, into the estimates of its match length only."""
+    source = LookupSource(depth=3, smoothing=0.5)
+    context = [5, 6, 7, 8, 9, 1, 5, 6, 7]  # continuation 8 9 1 after a 3-gram match
+    assert source.offer(context, room=3, cost=STEEP, against=100.0) is None  # not drafted: too dear
+    source.committed(context + [8])
+    assert source.accept[3] == [0.75, None, None]  # from the prior of 0.5
+    source.committed(context + [8, 0])  # the second token missed: the third says nothing
+    assert source.accept[3] == [0.75, 0.5 * 0.75, None] and source.pending == []  # the unseen second starts at the first's
+    assert source.accept[1] == [None] * 3 and source.accept[2] == [None] * 3
+    context += [8, 9, 1]
+    offer = source.offer(context, room=3, cost=[1.0] * 4, against=1.0)
+    assert offer is not None and offer.ngram == 3 and offer.tokens == [5, 6, 7]
+    source.offer(context + [5], room=3, cost=[1.0] * 4, against=1.0)  # the next step's continuation: 6 7 8
+    source.committed(context + [5, 6, 7, 8])  # both right all the way
+    assert source.accept[3] == pytest.approx([0.9375, 0.84375, 0.921875]) and source.pending == []
+
+
+def test_lookup_runs_only_beside_the_gate(tiny_targets):
+    """Without the gate nothing chooses between sources: the drafter drafts every step, and the
+    run's config says lookup was off."""
+    with pytest.raises(MethodConfigError, match="lookup must be"):
+        DFlashConfig(lookup="yes")
+    target = tiny_targets["qwen3"]
+    prompt_ids = [11, 42, 7, 93, 11, 42, 7, 93, 11, 42]
+    drafter = DFlashEngineDrafter(vocab_drafter(target, [11, 42, 7, 93], feature_layers=(1,)),
+                                  DFlashConfig(gate=False, lookup=True))
+    run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=12)
+    assert run.output_ids == hf_greedy(target, prompt_ids, 12)
+    assert run.config["lookup"] is False and all("lookup" not in s.extras for s in run.steps)
+    assert DFlashConfig().lookup and DFlashConfig().gate  # both on by default
+
+
+def _looping(target: TargetModel, period: list[int]) -> TargetModel:
+    """A copy of a tiny target fitted to repeat `period` over and over: a real model whose greedy
+    text repeats itself, where the random ones almost never do."""
+    model = copy.deepcopy(target.model).train()
+    ids = torch.tensor([period * 8])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(40):
+        opt.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+    return TargetModel(model.eval(), target.tokenizer)
+
+
+def _doubting(cls: type) -> type:
+    """The drafter class with prompt lookup's estimates starting low, so its own drafter runs
+    first and lookup takes over only once its scored continuations have shown it pays."""
+
+    def begin(self, prompt_ids, sampling, generator) -> None:
+        cls.begin(self, prompt_ids, sampling, generator)
+        self.lookups.accept = {n: [0.05] * len(rates) for n, rates in self.lookups.accept.items()}
+
+    return type(f"Doubting{cls.__name__}", (cls,), {"begin": begin})
+
+
+@pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
+@pytest.mark.parametrize("method", ["dflash", "adaflash"])
+def test_lookup_drafts_stay_greedy_and_skip_the_drafter(tiny_targets, arch, method, monkeypatch):
+    """A drafter that is never right, beside prompt lookup, on a target whose text repeats itself:
+    the output is exactly greedy; lookup, scored while the drafter's gate runs, takes over and gets
+    tokens accepted (the drafter's cache catching up on the features of what they committed when it
+    runs again); and the drafter runs only on the steps its own gate drafted or looked."""
+    _cpu_like_costs(monkeypatch)
+    period = [11, 42, 7, 93, 25, 60]
+    target = _looping(tiny_targets[arch], period)
+    prompt_ids = period * 2 + period[:2]
+    reference = hf_greedy(target, prompt_ids, 40)
+    assert lookup_match(prompt_ids + reference, PromptLookupConfig(), 8)[0]  # it does repeat itself
+    model = _useless(target, prompt_ids, 40)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    cfg = {"dflash": DFlashConfig(lookup=True), "adaflash": AdaFlashConfig(lookup=True, rule="fixed", fixed_len=7)}
+    drafter = _doubting({"dflash": DFlashEngineDrafter, "adaflash": AdaFlashDrafter}[method])(model, cfg[method], STEEP)
+    run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=40)
+    assert run.output_ids == reference
+    states = [s.extras["gate"]["state"] for s in run.steps[1:]]
+    first = states.index("lookup")
+    assert first > 0 and set(states[:first]) <= {"shadow", "off", "on", "probe"}
+    looked_up = [s for s in run.steps[1:] if s.extras["gate"]["state"] == "lookup"]
+    assert sum(len(s.accepted) for s in looked_up) >= len(looked_up)
+    assert all(s.tokens == s.extras["lookup"]["tokens"] for s in looked_up)
+    assert len(forwards) == sum(state in ("on", "probe", "shadow") for state in states)
+
+
+def test_drafter_catches_up_after_lookup_steps(tiny_targets, monkeypatch):
+    """Lookup and the drafter taking turns: each drafter block first takes in the features of every
+    position the lookup step before it committed (a cache out of step with the target raises),
+    and the output stays exactly greedy."""
+    import functools
+
+    import specflash.drafters.dflash as dflash_module
+
+    # a free verifier and a free drafter: drafting always pays, so the drafter's gate stays on
+    monkeypatch.setattr(dflash_module, "DraftGate", functools.partial(DraftGate, draft_cost=0.0))
+    target = _looping(tiny_targets["qwen3"], [11, 42, 7, 93, 25, 60])
+    prompt_ids = [11, 42, 7, 93, 25, 60, 11, 42]
+    reference = hf_greedy(target, prompt_ids, 30)
+    offer = LookupSource.offer
+    calls = []
+    monkeypatch.setattr(LookupSource, "offer", lambda self, *a: offer(self, *a) if calls.append(1) or len(calls) % 2 else None)
+    model = vocab_drafter(target, sorted(set(reference)), feature_layers=(1,))
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(lookup=True), [1.0] * 9),
+                   max_new_tokens=30)
+    assert run.output_ids == reference
+    decode = run.steps[1:]
+    states = [s.extras["gate"]["state"] for s in decode]
+    turns = [(a, b) for a, b in zip(decode, decode[1:])
+             if a.extras["gate"]["state"] == "lookup" and len(a.accepted) and b.extras["gate"]["state"] == "on"]
+    assert len(turns) >= 2
+    assert len(forwards) == sum(state in ("on", "probe", "shadow") for state in states)
