@@ -144,11 +144,13 @@ def summarize_samples(samples: list[Sample], methods: list[str]) -> list[dict[st
         steps = sum(m["decode_steps"] for m in with_metrics)
         committed = sum(m["mean_acceptance_length"] * m["decode_steps"] for m in with_metrics)
         verified = sum(m["verified_per_committed"] * m["mean_acceptance_length"] * m["decode_steps"] for m in with_metrics)
+        looked_up = sum(m.get("lookup_steps", 0) for m in with_metrics)
         rows.append({
             "method": method,
             "tokens_per_s": median(s.new_tokens / s.wall for s in mine),
             "mean_acceptance_length": committed / steps if steps else None,
             "verified_per_committed": verified / committed if committed else None,
+            "lookup_step_share": looked_up / steps if looked_up else None,
             "speedup": median(ratios) if ratios else None,
             "identical_to_ar": all(same) if same else None,
             "samples": len(mine),
@@ -160,11 +162,13 @@ def format_table(rows: list[dict[str, Any]], device: str) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    lines = [f"device: {device}", f"{'method':<14}{'tok/s':>9}{'accept len':>12}{'verified/tok':>14}{'speedup':>9}  identical"]
+    lines = [f"device: {device}", f"{'method':<14}{'tok/s':>9}{'accept len':>12}{'verified/tok':>14}{'lookup':>8}"
+                                  f"{'speedup':>9}  identical"]
     for r in rows:
         lines.append(
             f"{r['method']:<14}{f(r['tokens_per_s'], '.1f'):>9}{f(r['mean_acceptance_length'], '.2f'):>12}"
-            f"{f(r['verified_per_committed'], '.2f'):>14}{f(r['speedup'], '.2f'):>9}  {f(r['identical_to_ar'], '')}"
+            f"{f(r['verified_per_committed'], '.2f'):>14}{f(r.get('lookup_step_share'), '.0%'):>8}"
+            f"{f(r['speedup'], '.2f'):>9}  {f(r['identical_to_ar'], '')}"
         )
     return "\n".join(lines)
 

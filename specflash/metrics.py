@@ -54,6 +54,7 @@ def summarize(run: RunRecord) -> dict[str, Any]:
     return {
         "new_tokens": len(run.output_ids),
         "decode_steps": len(steps),
+        "lookup_steps": sum("lookup" in s.extras for s in steps),  # drafted by prompt lookup beside the drafter
         "mean_acceptance_length": committed / len(steps) if steps else 0.0,
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "per_position_acceptance": per_position_acceptance(steps),

@@ -4,11 +4,12 @@ the PTD sweep (specflash.bench_ptd) on a tiny model."""
 from __future__ import annotations
 
 from specflash import bench_ptd
-from specflash.bench import Sample, summarize_samples
+from specflash.bench import Sample, format_table, summarize_samples
 
 
-def _s(method, prompt, repeat, wall, out, steps=None, mal=None, vpc=None):
-    metrics = {} if steps is None else {"decode_steps": steps, "mean_acceptance_length": mal, "verified_per_committed": vpc}
+def _s(method, prompt, repeat, wall, out, steps=None, mal=None, vpc=None, lookup=0):
+    metrics = {} if steps is None else {"decode_steps": steps, "mean_acceptance_length": mal, "verified_per_committed": vpc,
+                                        "lookup_steps": lookup}
     return Sample(method, "code", prompt, repeat, wall, len(out), out, metrics)
 
 
@@ -19,15 +20,19 @@ def test_summary_rows():
         _s("ar", "b", 0, 4.0, [5, 6], 2, 1.0, 1.0),
         _s("pld", "b", 0, 1.0, [5, 7], 1, 2.0, 1.5),
         _s("hf-pld", "a", 0, 4.0, [1, 2, 3, 4]),
+        _s("dflash", "a", 0, 1.0, [1, 2, 3, 4], 2, 2.0, 1.5, lookup=1),
+        _s("dflash", "b", 0, 2.0, [5, 6], 2, 1.0, 1.0, lookup=0),
     ]
-    rows = {r["method"]: r for r in summarize_samples(samples, ["ar", "pld", "hf-pld"])}
+    rows = {r["method"]: r for r in summarize_samples(samples, ["ar", "pld", "hf-pld", "dflash"])}
+    assert rows["dflash"]["lookup_step_share"] == 0.25  # 1 of 4 decode steps drafted by prompt lookup
+    assert rows["pld"]["lookup_step_share"] is None and "   25%     2.00" in format_table(list(rows.values()), "cpu")
     assert rows["ar"]["speedup"] == 1.0
     assert rows["pld"]["speedup"] == 3.0  # median of the paired ratios 2.0 and 4.0
     assert rows["pld"]["mean_acceptance_length"] == 2.0  # 6 tokens over 3 steps
     assert rows["pld"]["verified_per_committed"] == (2 * 2 * 2.0 + 1.5 * 2 * 1) / 6
     assert rows["pld"]["identical_to_ar"] is False
     assert rows["hf-pld"]["identical_to_ar"] is True and rows["hf-pld"]["mean_acceptance_length"] is None
-    assert list(rows) == ["ar", "pld", "hf-pld"]
+    assert list(rows) == ["ar", "pld", "hf-pld", "dflash"]
 
 
 def test_ptd_sweep_gives_one_lossless_row_per_shape(tiny_targets, capsys):
