@@ -275,6 +275,18 @@ def gate_summary(steps: Sequence[StepRecord]) -> str | None:
             f"shadow {states.count('shadow')}{lookup} steps")
 
 
+def lookup_share(steps: Sequence[StepRecord], record: str) -> str:
+    """A sentence for a method's panel: how many of the run's decode steps prompt lookup drafted
+    instead of the drafter, which therefore have no `record` of their own ("" when none did)."""
+    decode = [s for s in steps if s.phase != "prefill"]
+    looked_up = sum("lookup" in s.extras for s in decode)
+    if not looked_up:
+        return ""
+    return (f" Prompt lookup drafted {looked_up} of the run's {len(decode)} decode steps instead of the drafter (the "
+            "draft gate's choice; untick *prompt lookup beside the drafter* in the method knobs to see the drafter "
+            f"alone): they have no {record} and are left out here.")
+
+
 def lookup_note(step: StepRecord) -> str | None:
     """Why a learned method's step has no record of its own drafter: prompt lookup drafted it
     (the method's `lookup` option); None when it did not."""
@@ -369,7 +381,7 @@ def step_figure(step: StepRecord, texts: Mapping[int, str], temperature: float |
         title += f"<br><sup>{verification_rule(step, temperature)}</sup>"
     fig.update_layout(title=title, barmode="group", yaxis=dict(title="probability", range=[0, 1.05]), height=340,
                       xaxis=dict(categoryorder="array", categoryarray=labels, tickvals=labels,
-                                 ticktext=[f'<span style="color:{STATUS_COLOURS[s]}">{html.escape(l)}</span>'
+                                 ticktext=[f'<span style="color:{STATUS_COLOURS[s]}">{html.escape(l, quote=False)}</span>'
                                            for l, s in zip(labels, status)]),
                       margin=dict(l=40, r=20, t=60, b=40), showlegend=True)
     return fig

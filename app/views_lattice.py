@@ -27,7 +27,7 @@ from plotly.subplots import make_subplots
 
 from specflash.trace import StepRecord
 
-from .views import STATUS_COLOURS, lookup_note, token_text
+from .views import STATUS_COLOURS, lookup_note, lookup_share, token_text
 
 NO_LATTICE = (
     "<p>This tab draws DFlash 2's candidate lattice for every step: the top-K candidates of each block "
@@ -519,4 +519,5 @@ def lattice_run_summary(steps: Sequence[StepRecord]) -> str:
         f"they differ at or before the walked path's first rejection, the walked path went further in "
         f"{wins['walked']}, the argmax path in {wins['argmax']}, and they tied in {wins['tie']}; in the other "
         f"{differ - len(mattered)} they part only after it, where the target had already stopped."
+        + lookup_share(steps, "lattice")
     )

@@ -124,6 +124,11 @@ def test_a_prompt_lookup_step_says_so_in_every_view():
     assert note in views_lattice.no_lattice_reason(step)
     assert note in views_adaflash.adaflash_cut_html(step, {}, {})
     assert note in views_dels._step_summary(step, [])
+    share = views.lookup_share([step, chain_step()], "cut")
+    assert share == (" Prompt lookup drafted 1 of the run's 2 decode steps instead of the drafter (the draft gate's "
+                     "choice; untick *prompt lookup beside the drafter* in the method knobs to see the drafter alone): "
+                     "they have no cut and are left out here.")
+    assert views.lookup_share([chain_step()], "cut") == ""
 
 
 def test_step_inspector_marks_where_verification_stopped():
@@ -211,3 +216,10 @@ def test_options_come_from_the_method_configs():
     assert options_for("pld", knobs, values) == {"k": 6, "max_ngram": 3, "min_ngram": 1}
     assert options_for("draft", knobs, [None, 6, 3, 1]) == {"k": 4}
     assert options_for("ar", knobs, values) == {}
+
+
+def test_step_chart_labels_show_quotes_as_quotes_and_escape_markup():
+    """Plotly renders &quot; in tick text literally: quotes stay plain, markup is escaped."""
+    fig = views.step_figure(chain_step(), {5: "'m", 6: "<b>", 7: "x", 8: "y"})
+    ticks = " ".join(fig.layout.xaxis.ticktext)
+    assert "0: \"'m\"" in ticks and "1: '&lt;b&gt;'" in ticks and "&quot;" not in ticks and "&#x27;" not in ticks

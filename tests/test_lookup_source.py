@@ -56,7 +56,8 @@ def test_every_continuation_is_scored_against_what_the_target_commits():
     source.committed(context + [8])
     assert source.accept[3] == [0.75, None, None]  # from the prior of 0.5
     source.committed(context + [8, 0])  # the second token missed: the third says nothing
-    assert source.accept[3] == [0.75, 0.5 * 0.75, None] and source.pending == []  # the unseen second starts at the first's
+    # the unseen second position starts from the first's estimate
+    assert source.accept[3] == [0.75, 0.5 * 0.75, None] and source.pending == []
     assert source.accept[1] == [None] * 3 and source.accept[2] == [None] * 3
     context += [8, 9, 1]
     offer = source.offer(context, room=3, cost=[1.0] * 4, against=1.0)
@@ -147,9 +148,13 @@ def test_drafter_catches_up_after_lookup_steps(tiny_targets, monkeypatch):
     target = _looping(tiny_targets["qwen3"], [11, 42, 7, 93, 25, 60])
     prompt_ids = [11, 42, 7, 93, 25, 60, 11, 42]
     reference = hf_greedy(target, prompt_ids, 30)
-    offer = LookupSource.offer
-    calls = []
-    monkeypatch.setattr(LookupSource, "offer", lambda self, *a: offer(self, *a) if calls.append(1) or len(calls) % 2 else None)
+    offer, calls = LookupSource.offer, []
+
+    def every_other_step(self, *args):
+        calls.append(1)
+        return offer(self, *args) if len(calls) % 2 else None
+
+    monkeypatch.setattr(LookupSource, "offer", every_other_step)
     model = vocab_drafter(target, sorted(set(reference)), feature_layers=(1,))
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
