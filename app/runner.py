@@ -138,7 +138,7 @@ class Runner:
 
 def step_ids(step: StepRecord) -> list[int]:
     """Every token id a step's views may show: draft, correction, committed, and those inside
-    method extras (PTD draft trees, AdaFlash cut tokens, a gate's shadow draft)."""
+    method extras (PTD draft trees, AdaFlash cut tokens, DeLS runner-ups, a gate's shadow draft)."""
     ids = [*step.tokens, step.correction, *step.committed, *(step.extras or {}).get("shadow", [])]
     ptd = step.extras.get("ptd") if step.extras else None
     if ptd:
@@ -146,6 +146,9 @@ def step_ids(step: StepRecord) -> list[int]:
     ada = step.extras.get("adaflash") if step.extras else None
     if ada:
         ids += list(ada.get("cut_tokens", []))
+    dels = step.extras.get("dels") if step.extras else None
+    if dels:
+        ids += [int(a["token"]) for position in dels.get("alternatives") or [] for a in position]
     return ids + lattice_ids(step)
 
 

@@ -197,3 +197,12 @@ def test_adaflash_note_says_what_the_tab_shows_and_sums_the_run():
     assert "Cut rule `cost`" in note
     assert "Over 2 drafted steps: 6 tokens drafted, 3 verified (2 accepted), 3 cut and never verified" in note
     assert "greedy verification would have accepted 1" in note
+
+
+def test_runner_up_tokens_are_decoded_with_the_step():
+    """A runner-up the step did not draft still needs its text (else the view shows its id)."""
+    from app.runner import step_ids
+
+    step = chain(2, [5, 6], 1, dels_extras([False, True], [[alt(5, 1.0, 0.0, 0.0), alt(41, 0.5, 0.1, 0.0)],
+                                                           [alt(6, 1.0, 0.0, 0.0), alt(42, 0.9, 0.2, 0.0)]]))
+    assert {41, 42} <= set(step_ids(step))
