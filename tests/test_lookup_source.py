@@ -167,3 +167,19 @@ def test_drafter_catches_up_after_lookup_steps(tiny_targets, monkeypatch):
              if a.extras["gate"]["state"] == "lookup" and len(a.accepted) and b.extras["gate"]["state"] == "on"]
     assert len(turns) >= 2
     assert len(forwards) == sum(state in ("on", "probe", "shadow") for state in states)
+
+
+def test_lookup_leaves_the_gate_its_plain_timing_steps(tiny_targets):
+    """A gate timing its own steps measures every width against a plain one-token step, taken every
+    4 * probe_every steps at least; lookup, which could draft every step here, yields to it."""
+    target = _looping(tiny_targets["llama"], [11, 42, 7, 93, 25, 60])
+    prompt_ids = [11, 42, 7, 93, 25, 60, 11, 42]
+    model = vocab_drafter(target, [11, 42, 7, 93, 25, 60], feature_layers=(1,))
+    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(probe_every=1), [1.0] * 9),
+                   max_new_tokens=80)
+    assert run.output_ids == hf_greedy(target, prompt_ids, 80)
+    decode = run.steps[1:]
+    plain = [i for i, s in enumerate(decode) if s.verified == 1]
+    assert sum("lookup" in s.extras for s in decode) > len(decode) // 2 and len(decode) > 10
+    assert plain and plain[0] <= 1 and all(b - a <= 4 * 1 + 2 for a, b in zip(plain, plain[1:]))
+    assert len(decode) - 1 - plain[-1] <= 4 * 1 + 2

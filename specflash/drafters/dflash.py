@@ -136,8 +136,9 @@ class DFlashEngineDrafter(Drafter):
 
     def lookup_draft(self, context: list[int], max_len: int) -> tuple[Draft, GateDecision] | None:
         """Prompt lookup's draft and the decision that picked it, when lookup is on and its
-        continuation is worth more this step than anything the gate would do with the drafter."""
-        if self.lookups is None:
+        continuation is worth more this step than anything the gate would do with the drafter
+        (never on a step the gate keeps plain to time it)."""
+        if self.lookups is None or self.gate.wants_plain_step:
             return None
         room = min(self.draft_len, max_len)
         offer = self.lookups.offer(context, room, self.gate.cost, self.gate.best_value(room))

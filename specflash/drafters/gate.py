@@ -124,6 +124,13 @@ class DraftGate:
         """Expected committed tokens per unit cost when drafting m tokens."""
         return chain_value(self.rates(), m, cost or self.cost, self.draft_cost or 0.0)
 
+    @property
+    def wants_plain_step(self) -> bool:
+        """Whether the next step should verify the root alone, to time the plain step every cost is
+        measured against: none timed yet, or none for `4 * probe_every` steps. A second source of
+        drafts (lookup_source.py) yields to it, else a run it drafts throughout never refreshes it."""
+        return self.calibrate and (1 not in self.seconds or self.since_plain >= 4 * self.probe_every)
+
     def best_value(self, room: int) -> float:
         """What the best width up to `room` is worth (plain decoding, 1.0, included), for a second
         source of drafts to beat (lookup_source.py)."""
@@ -152,7 +159,7 @@ class DraftGate:
                                                    f"decoding, switching on needs {self.switch_on:.2f}x")
             return GateDecision("off", 0, 1.0, f"drafting does not pay: best drafted width is worth "
                                                f"{max(values[1:]):.2f} of plain decoding")
-        if self.calibrate and (1 not in self.seconds or self.since_plain >= 4 * self.probe_every):
+        if self.wants_plain_step:
             return GateDecision("off", 0, 1.0, "timing one plain step: what verifying more tokens costs in this run "
                                                "is measured against it")
         if best < depth and self.since_probe >= 2 * self.probe_every:
