@@ -38,10 +38,11 @@ class DFlashConfig:
     again once a width is worth `switch_on` times plain decoding. `lookup` adds prompt lookup as a
     second source of drafts (lookup_source.py), chosen over the drafter on steps where the gate's
     estimates value it more; `lookup=false` shows the drafter alone, and so does `gate=false`,
-    which drafts the drafter's block every step with nothing to choose between sources. `draft_dtype` is what the drafter
-    computes in (models/dflash_io.py drafter_dtype and drafter_int8: "auto" is bfloat16 beside a
-    float32 target on a CPU with bf16 matrix units, int8 weights on one without them that has an
-    int8 engine, else the target's dtype); it changes drafting speed, never the output."""
+    which drafts the drafter's block every step with nothing to choose between sources.
+    `draft_dtype` is what the drafter computes in (models/dflash_io.py drafter_dtype and
+    drafter_int8: "auto" is bfloat16 beside a float32 target on a CPU with bf16 matrix units, int8
+    weights on one without them that has an int8 engine, else the target's dtype); it changes
+    drafting speed, never the output."""
 
     max_draft: int | None = None
     gate: bool = True

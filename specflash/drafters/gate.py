@@ -46,8 +46,14 @@ a wider one it reads c(n) from its own timings (unseen widths: the cached curve 
 ratio measured at the seen ones). When it has drafted from the start it takes one plain step to
 time it, and again every `4 * probe_every` steps, so the estimate follows the machine's load.
 
-The gate only changes how many tokens are drafted, never what is verified or how, so every
-method that uses it stays lossless. Each decision goes into the trace (`GateDecision`).
+A second source. Beside a learned drafter the gate can also hand a step to prompt lookup
+(lookup_source.py, the `lookup` option): its continuation, valued the same way from its own
+estimates, is drafted when it is worth more than the gate's best choice for the drafter, except
+on the plain steps the gate keeps to time itself.
+
+The gate only changes how many tokens are drafted and from which source, never how they are
+verified, so every method that uses it stays lossless. Each decision goes into the trace
+(`GateDecision`).
 """
 
 from __future__ import annotations
