@@ -183,3 +183,18 @@ def test_lookup_leaves_the_gate_its_plain_timing_steps(tiny_targets):
     assert sum("lookup" in s.extras for s in decode) > len(decode) // 2 and len(decode) > 10
     assert plain and plain[0] <= 1 and all(b - a <= 4 * 1 + 2 for a, b in zip(plain, plain[1:]))
     assert len(decode) - 1 - plain[-1] <= 4 * 1 + 2
+
+
+def test_match_length_table_counts_by_the_longest_match():
+    """scripts/lookup_match_lengths.py: at each answer position the longest match proposes, and its
+    run of tokens matching the answer is counted under that match length (worked by hand)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "lookup_match_lengths.py"
+    spec = importlib.util.spec_from_file_location("lookup_match_lengths", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # tail 1 2 -> proposes 3 4 1 2 (2 right); then 1 2 3 -> 4 1 2 3 (1 right); then 1 2 3 4 -> 1 2 3 4 (0)
+    stats = module.match_stats([1, 2, 3, 4, 1, 2], [3, 4, 9], max_ngram=6)
+    assert dict(stats) == {2: [1, 1, 2], 3: [1, 1, 1], 4: [1, 0, 0]}
