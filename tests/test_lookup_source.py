@@ -82,6 +82,14 @@ def test_lookup_runs_only_beside_the_gate(tiny_targets):
     assert DFlashConfig().lookup and DFlashConfig().gate  # both on by default
 
 
+def test_longest_match_sets_the_estimates_kept(tiny_targets):
+    with pytest.raises(MethodConfigError, match="lookup_max_ngram must be"):
+        DFlashConfig(lookup_max_ngram=0)
+    drafter = DFlashEngineDrafter(vocab_drafter(tiny_targets["qwen3"], [5, 9]), DFlashConfig(lookup_max_ngram=5), STEEP)
+    drafter.begin([1, 2, 3], None, None)
+    assert sorted(drafter.lookups.accept) == [1, 2, 3, 4, 5] and drafter.lookups.cfg.max_ngram == 5
+
+
 def _looping(target: TargetModel, period: list[int]) -> TargetModel:
     """A copy of a tiny target fitted to repeat `period` over and over: a real model whose greedy
     text repeats itself, where the random ones almost never do."""

@@ -38,7 +38,8 @@ class DFlashConfig:
     again once a width is worth `switch_on` times plain decoding. `lookup` adds prompt lookup as a
     second source of drafts (lookup_source.py), chosen over the drafter on steps where the gate's
     estimates value it more; `lookup=false` shows the drafter alone, and so does `gate=false`,
-    which drafts the drafter's block every step with nothing to choose between sources.
+    which drafts the drafter's block every step with nothing to choose between sources;
+    `lookup_max_ngram` is the longest match it looks for, each length with its own estimates.
     `draft_dtype` is what the drafter computes in (models/dflash_io.py drafter_dtype and
     drafter_int8: "auto" is bfloat16 beside a float32 target on a CPU with bf16 matrix units, int8
     weights on one without them that has an int8 engine, else the target's dtype); it changes
@@ -50,6 +51,7 @@ class DFlashConfig:
     switch_on: float = 1.0
     draft_dtype: str = "auto"
     lookup: bool = True
+    lookup_max_ngram: int = 3
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
@@ -64,6 +66,9 @@ class DFlashConfig:
             raise MethodConfigError(f"switch_on must be a number >= 1 (1 = no margin), got {self.switch_on!r}")
         if not isinstance(self.lookup, bool):
             raise MethodConfigError(f"lookup must be true or false, got {self.lookup!r}")
+        if (not isinstance(self.lookup_max_ngram, int) or isinstance(self.lookup_max_ngram, bool)
+                or self.lookup_max_ngram < 1):
+            raise MethodConfigError(f"lookup_max_ngram must be an integer >= 1, got {self.lookup_max_ngram!r}")
         if self.draft_dtype not in DRAFTER_DTYPE_CHOICES:
             raise MethodConfigError(f"draft_dtype must be one of {', '.join(DRAFTER_DTYPE_CHOICES)}, "
                                     f"got {self.draft_dtype!r}")
@@ -89,7 +94,8 @@ class DFlashEngineDrafter(Drafter):
         self.pending: list[torch.Tensor] = []  # features [m, n_feat*H] not yet in the cache
         self.gate = (DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on)
                      if self.cfg.gate else None)
-        self.lookups = LookupSource(self.draft_len) if self.cfg.lookup and self.cfg.gate else None
+        self.lookups = (LookupSource(self.draft_len, max_ngram=self.cfg.lookup_max_ngram)
+                        if self.cfg.lookup and self.cfg.gate else None)
 
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)
