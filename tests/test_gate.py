@@ -168,8 +168,8 @@ def test_gated_dflash_stays_lossless_and_keeps_drafting_when_it_pays(tiny_target
     greedy = hf_greedy(target, prompt_ids, 40)
     # a drafter whose vocabulary is exactly the target's greedy tokens, on a free verifier, drafts on
     model = vocab_drafter(target, sorted(set(greedy)), feature_layers=(1,))
-    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(lookup=False), FLAT), max_new_tokens=40,
-                   stop_on_eos=False)
+    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(lookup=False), FLAT),
+                   max_new_tokens=40, stop_on_eos=False)
     assert run.output_ids == greedy
     assert all("gate" in s.extras for s in run.steps[1:])
 
@@ -179,7 +179,8 @@ def test_gate_records_are_plain_json(tiny_targets, monkeypatch):
     target = tiny_targets["qwen3"]
     prompt_ids = target.tokenizer(PROMPT)["input_ids"]
     model = _useless(target, prompt_ids, 12)
-    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(lookup=False), STEEP), max_new_tokens=12)
+    run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(lookup=False), STEEP),
+                   max_new_tokens=12)
     from specflash.trace import RunRecord
 
     again = RunRecord.from_json(run.to_json())

@@ -14,8 +14,9 @@ that did not pay, up to 4x, and resets when drafting pays again) the gate looks,
 step, before it has any estimate, it looks with a shadow draft. Where verifying is dear, every look
 is a shadow draft: a full block, not verified, scored token by token against what the target
 commits over the next steps. It costs the drafter's block forward, with the head run only for the
-positions scored (their tokens are computed on demand, and scoring stops at the first miss). On the 2-core AVX2 CPU, one thread, a shadow cost 0.16 of a
-step where verifying one more token cost 0.36 to 0.6. Where verifying is cheap (the same CPU
+positions scored (their tokens are computed on demand, and scoring stops at the first miss). On
+the 2-core AVX2 CPU, one thread, a shadow cost 0.16 of a step where verifying one more token cost
+0.36 to 0.6. Where verifying is cheap (the same CPU
 after the seventeenth session's kernel fix: 0.04 to 0.2 for up to 3 more tokens), a look drafts
 and verifies for real at the best width: it tells the gate as much, and commits what is accepted.
 Each look takes whichever its own estimates value more per unit cost, the real draft or the
@@ -236,17 +237,11 @@ class DraftGate:
             return
         start, tokens, scored = self.shadow
         got = context[start : start + len(tokens)]
-        for i in range(scored, len(got)):
-            hit = got[i] == tokens[i]
-            self._update(i, hit)
-            if not hit or i + 1 == len(tokens):
-                self.shadow = None
-                self._looked()
-                return
-        self.shadow = (start, tokens, len(got))
-
-    def _update(self, position: int, hit: bool) -> None:
-        update_rate(self.accept, position, hit, self.smoothing)
+        if score_arrivals(self.accept, tokens, got, scored, self.smoothing):
+            self.shadow = None
+            self._looked()
+        else:
+            self.shadow = (start, tokens, len(got))
 
     def _looked(self) -> None:
         """After a probe or a shadow: look again sooner if drafting now pays, later if not."""
@@ -291,6 +286,19 @@ def update_rate(accept: list[float | None], position: int, hit: bool, smoothing:
     """EMA of the position's conditional acceptance, from its current estimate (0.5 at first)."""
     old = chain_rates(accept)[position]
     accept[position] = (1 - smoothing) * old + smoothing * (1.0 if hit else 0.0)
+
+
+def score_arrivals(accept: list[float | None], tokens: Sequence[int], got: Sequence[int], scored: int,
+                   smoothing: float) -> bool:
+    """Score a chain drafted but not verified against the tokens the target committed after it
+    (`got`), from position `scored` on, one position at a time as they arrive. True when its run
+    has ended: at its first miss, or once it matched all of its tokens."""
+    for i in range(scored, len(got)):
+        hit = got[i] == tokens[i]
+        update_rate(accept, i, hit, smoothing)
+        if not hit or i + 1 == len(tokens):
+            return True
+    return False
 
 
 def observe_chain(accept: list[float | None], drafted: int, accepted: int, smoothing: float) -> None:

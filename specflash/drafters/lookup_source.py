@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import PromptLookupConfig
-from .gate import chain_rates, chain_value, update_rate
+from .gate import chain_rates, chain_value, score_arrivals
 from .prompt_lookup import lookup_match
 
 
@@ -82,11 +82,6 @@ class LookupSource:
         still = []
         for start, tokens, ngram, scored in self.pending:
             got = context[start : start + len(tokens)]
-            for i in range(scored, len(got)):
-                hit = got[i] == tokens[i]
-                update_rate(self.accept[ngram], i, hit, self.smoothing)
-                if not hit or i + 1 == len(tokens):
-                    break
-            else:
+            if not score_arrivals(self.accept[ngram], tokens, got, scored, self.smoothing):
                 still.append((start, tokens, ngram, len(got)))
         self.pending = still
