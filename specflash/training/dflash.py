@@ -36,7 +36,7 @@ from .dflash_init import can_grow, grow_from, init_from_target
 from .draft_vocab import frequent_tokens
 from ..models.target import TargetModel
 from .data import load_training_target, read_shard, shard_entries
-from .dflash_features import shard_features
+from .dflash_features import shard_features, warm_cache
 from .entry import run_script
 from .dflash_objective import Teacher, make_sequence, sample_anchors, sequence_loss
 from .validation import held_out_acceptance, held_out_blocks
@@ -67,6 +67,20 @@ def shard_paths(data_dirs: Seq[Path], hold_out: Seq[str] = ()) -> list[Path]:
     return paths
 
 
+def training_entries(args: argparse.Namespace) -> list[tuple[Path, dict]]:
+    """(folder, manifest entry) of the shards a run trains on: every finished shard of `--data`,
+    plus the first `--rehearse-shards` of each `--rehearse` folder, all but the `--hold-out` names."""
+    rehearsal = [e for folder in args.rehearse for e in shard_entries([folder], args.hold_out)[: args.rehearse_shards]]
+    return shard_entries(args.data, args.hold_out) + rehearsal
+
+
+def training_shards(args: argparse.Namespace) -> list[Path]:
+    paths = [d / s["file"] for d, s in training_entries(args)]
+    if not paths:
+        raise SpecFlashError("no finished shards in " + ", ".join(map(str, args.data + args.rehearse)))
+    return paths
+
+
 def recorded_hold_out(drafter: Path | str) -> list[str]:
     """The shards a drafter folder's config says its training held out (none if it says nothing)."""
     return read_config(drafter).get("specflash_training", {}).get("held_out", [])
@@ -76,6 +90,13 @@ def add_hold_out_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hold-out", type=lambda s: [x for x in s.split(",") if x], default=[], metavar="SHARD,...",
                    help="shard file names never trained on, recorded in the drafter's config: data the drafter has "
                         "not seen, for its length head and for honest validation")
+
+
+def add_rehearse_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rehearse", type=lambda s: [Path(x) for x in s.split(",") if x], default=[], metavar="DIR,...",
+                   help="data folders a continued drafter has trained on before: only their first --rehearse-shards "
+                        "shards join the run, so it keeps what they taught at a fraction of their feature cost")
+    p.add_argument("--rehearse-shards", type=int, default=2, help="shards taken from each --rehearse folder")
 
 
 def add_precision_arg(p: argparse.ArgumentParser) -> None:
@@ -243,9 +264,9 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int, voca
             "tau": 1 + sum(s.accepted for s in stats) / blocks}
 
 
-def _total_steps(args, data_dirs: Seq[Path]) -> int:
+def _total_steps(args: argparse.Namespace) -> int:
     """`--steps`, or enough steps for `--epochs` passes over every sample."""
-    samples = sum(len(s["ids"]) for _, s in shard_entries(data_dirs, args.hold_out))
+    samples = sum(len(s["ids"]) for _, s in training_entries(args))
     return args.steps or max(1, args.epochs * math.ceil(samples / args.seqs_per_step))
 
 
@@ -289,7 +310,7 @@ class TrainLoop:
             self._validate()
         while not self.finished():
             if not p.shards:
-                shards = shard_paths(self.args.data, self.args.hold_out)
+                shards = training_shards(self.args)
                 p.shards = [str(shards[i]) for i in _order(len(shards), self.args.seed, p.epoch)]
             while p.shard_pos < len(p.shards) and not self.finished():
                 self._train_shard(Path(p.shards[p.shard_pos]))
@@ -350,7 +371,7 @@ def train(args: argparse.Namespace) -> Progress:
         args.hold_out = recorded_hold_out(args.init_from)
     target = load_training_target(args.model, args.device)
     model, opt, progress = init_or_resume(args, target, out)
-    total = _total_steps(args, args.data)
+    total = _total_steps(args)
     cache = None if args.no_feature_cache else Path(args.feature_cache or out.parent / "features")
     vocab = None
     if args.head_vocab:
@@ -360,9 +381,15 @@ def train(args: argparse.Namespace) -> Progress:
         vocab = frequent_tokens(shard_paths(args.data, args.hold_out), args.head_vocab, target.vocab_size)
     weights = loss_weights(args.block_size, args.gamma)
     soft = args.soft_labels > 0
+    if args.features_only:
+        shards = training_shards(args)
+        layers = tuple(model.spec.target_layer_ids) + ((target.num_layers - 1,) if soft else ())
+        done = warm_cache(target, [shards[i] for i in _order(len(shards), args.seed, 0)], layers, cache)
+        print(f"computed the features of {done} shard(s) into {cache}")
+        return progress
     validate = None
     if args.validate_every:
-        held = held_out_blocks(target, args.data, args.hold_out, model.spec.target_layer_ids, cache,
+        held = held_out_blocks(target, args.data + args.rehearse, args.hold_out, model.spec.target_layer_ids, cache,
                                args.validate_samples, args.anchors, args.seed)
         validate = partial(held_out_acceptance, model, held, weights, args.precision == "bf16")
     TrainLoop(
@@ -385,6 +412,7 @@ def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
     if args.init_from:  # the starting folder fixed the initialisation and the draft vocabulary
         keep = tuple(k for k in keep if k not in ("init", "draft_vocab")) + ("init_from",)
     return {"specflash_training": {**{k: _portable(getattr(args, k)) for k in keep}, "data": [Path(d).name for d in args.data],
+                                   "rehearse": [Path(d).name for d in args.rehearse], "rehearse_shards": args.rehearse_shards,
                                    "held_out": list(args.hold_out),
                                    "steps": progress.step, "tokens": progress.tokens,
                                    "minutes": round(progress.seconds / 60, 1)}}
@@ -405,6 +433,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", required=True, type=lambda s: [Path(x) for x in s.split(",") if x],
                    help="comma list of data folders (python -m specflash.training.data)")
     add_hold_out_arg(p)
+    add_rehearse_args(p)
     p.add_argument("--name", default="run", help="run name: the cache folder is train/dflash-NAME")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: per-user cache)")
     p.add_argument("--export", type=Path, default=None, help="also copy the final fp16 drafter here")
@@ -447,6 +476,10 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--feature-cache", type=Path, default=None, help="default: train/features next to the run")
     p.add_argument("--no-feature-cache", action="store_true")
+    p.add_argument("--features-only", action="store_true",
+                   help="only compute the run's missing feature files, in its first epoch's shard order, and exit: "
+                        "started beside the run (same arguments, another --name), a worker on another core keeps "
+                        "ahead of it; workers skip shards another one is computing")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     add_precision_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -455,7 +488,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     default_epochs(args)
     resolve_precision(args)
     for flag in ("layers", "feature_layers", "anchors", "seqs_per_step", "epochs", "save_every", "log_every",
-                 "validate_samples"):
+                 "validate_samples", "rehearse_shards"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.block_size < 2:
@@ -464,6 +497,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
         p.error("--validate-every must be 0 (never) or a number of steps")
     if not 0 <= args.soft_labels <= 1:
         p.error("--soft-labels must be between 0 and 1")
+    if args.features_only and args.no_feature_cache:
+        p.error("--features-only fills the feature cache; it cannot run with --no-feature-cache")
     args.gamma = args.gamma or args.block_size / 2
     return args
 

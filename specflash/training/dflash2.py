@@ -47,7 +47,7 @@ from ..models.dflash2 import DFlash2Drafter, DFlash2Spec, from_dflash
 from ..models.dflash_io import DFLASH2_KEYS, load_drafter, save_drafter
 from ..models.target import TargetModel
 from .data import load_training_target
-from .dflash import (CHECKPOINT, EPOCHS_HELP, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg,
+from .dflash import (CHECKPOINT, EPOCHS_HELP, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg, add_rehearse_args,
                      add_precision_arg, default_epochs, learning_rate, resolve_precision)
 from .dflash2_objective import combine, sequence_terms
 from .dflash_objective import sample_anchors
@@ -148,7 +148,7 @@ def train(args: argparse.Namespace) -> Progress:
     out.mkdir(parents=True, exist_ok=True)
     target = load_training_target(args.model, args.device)
     model, opt, progress = init_or_resume(args, target, out)
-    total = _total_steps(args, args.data)
+    total = _total_steps(args)
     cache = None if args.no_feature_cache else Path(args.feature_cache or out.parent / "features")
     args.gamma = args.gamma or model.spec.block_size / 2
     weights = loss_weights(model.spec.block_size, args.gamma)
@@ -184,6 +184,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-from", required=True, type=Path,
                    help="the DFlash drafter to start from (converted, identity start), or a DFlash 2 one to continue")
     add_hold_out_arg(p)
+    add_rehearse_args(p)
     p.add_argument("--name", default="run", help="run name: the cache folder is train/dflash2-NAME")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: per-user cache)")
     p.add_argument("--export", type=Path, default=None, help="also copy the final fp16 drafter here")

@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..models.target import TargetModel
+from .data import read_shard
 from .harvest import features_path
 
 
@@ -57,22 +58,33 @@ def harvested_features(shard: Path, layer_ids: tuple[int, ...], n_samples: int) 
     return [feats[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def _saved_features(samples: list, shard: Path, layer_ids: tuple[int, ...], path: Path | None) -> list[torch.Tensor] | None:
+    """The shard's features stored beside it or cached at `path`, or None."""
+    stored = harvested_features(shard, layer_ids, len(samples))
+    if stored is not None or path is None or not path.is_file():
+        return stored
+    try:
+        t = load_file(str(path))
+        bounds = t["offsets"].tolist()
+        if len(bounds) == len(samples) + 1:
+            return [t["features"][a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    except (SafetensorError, OSError, KeyError):
+        pass  # unreadable: recompute and overwrite
+    return None
+
+
+def _cache_path(target: TargetModel, shard: Path, layer_ids: tuple[int, ...], cache_dir: Path | None) -> Path | None:
+    return cache_dir / shard_key(target.name, layer_ids, shard) if cache_dir is not None else None
+
+
 def shard_features(
     target: TargetModel, samples: list, shard: Path, layer_ids: tuple[int, ...], cache_dir: Path | None
 ) -> list[torch.Tensor]:
     """Features of each sample of a shard (float16, on CPU): stored beside it, cached, or computed now."""
-    stored = harvested_features(shard, layer_ids, len(samples))
-    if stored is not None:
-        return stored
-    path = cache_dir / shard_key(target.name, layer_ids, shard) if cache_dir is not None else None
-    if path is not None and path.is_file():
-        try:
-            t = load_file(str(path))
-            bounds = t["offsets"].tolist()
-            if len(bounds) == len(samples) + 1:
-                return [t["features"][a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        except (SafetensorError, OSError, KeyError):
-            pass  # unreadable: recompute and overwrite
+    path = _cache_path(target, shard, layer_ids, cache_dir)
+    saved = _saved_features(samples, shard, layer_ids, path)
+    if saved is not None:
+        return saved
     target.capture_layers(layer_ids)
     feats = [sequence_features(target, s.token_ids).to("cpu", torch.float16) for s in samples]
     if path is not None:
@@ -82,3 +94,38 @@ def shard_features(
         save_file({"features": torch.cat(feats), "offsets": offsets}, str(tmp))
         os.replace(tmp, path)
     return feats
+
+
+def picked_features(target: TargetModel, samples: list, picked: list[int], shard: Path, layer_ids: tuple[int, ...],
+                    cache_dir: Path | None) -> list[torch.Tensor]:
+    """Features of the `picked` samples only: validation scores a few sequences of a shard, and
+    computing the whole shard for them cost minutes of target forwards (nothing is cached then)."""
+    saved = _saved_features(samples, shard, layer_ids, _cache_path(target, shard, layer_ids, cache_dir))
+    if saved is not None:
+        return [saved[i] for i in picked]
+    target.capture_layers(layer_ids)
+    return [sequence_features(target, samples[i].token_ids).to("cpu", torch.float16) for i in picked]
+
+
+def warm_cache(target: TargetModel, shards: list[Path], layer_ids: tuple[int, ...], cache_dir: Path) -> int:
+    """Compute and cache the features of `shards` in order, skipping those cached or claimed by
+    another process (a lock file), so several workers (and a trainer reading the same order)
+    share the work of one feature pass. Returns how many shards this call computed."""
+    done = 0
+    for shard in shards:
+        path = _cache_path(target, shard, layer_ids, cache_dir)
+        samples = read_shard(shard)
+        if _saved_features(samples, shard, layer_ids, path) is not None:
+            continue
+        lock = path.with_name(path.name + ".lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue
+        try:
+            shard_features(target, samples, shard, layer_ids, cache_dir)
+            done += 1
+        finally:
+            lock.unlink(missing_ok=True)
+    return done

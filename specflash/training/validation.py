@@ -28,7 +28,7 @@ from ..models.dflash import DFlashDrafter, loss_weights
 from ..models.dflash_io import load_drafter
 from ..models.target import TargetModel
 from .data import load_training_target, read_shard
-from .dflash_features import shard_features
+from .dflash_features import picked_features
 from .dflash_objective import Sequence, make_sequence, sample_anchors, sequence_loss
 from .entry import run_script
 
@@ -47,12 +47,13 @@ def held_out_blocks(target: TargetModel, data_dirs: Seq[Path], hold_out: Seq[str
     blocks: list[Block] = []
     for path in paths:
         rows = read_shard(path)
-        feats = shard_features(target, rows, path, layer_ids, cache_dir)
-        for i in torch.randperm(len(rows), generator=g)[:per_shard].tolist():
+        chosen = torch.randperm(len(rows), generator=g)[:per_shard].tolist()
+        feats = picked_features(target, rows, chosen, path, layer_ids, cache_dir)
+        for i, feat in zip(chosen, feats):
             seq = make_sequence(rows[i].token_ids, rows[i].prompt_len, rows[i].labels)
             picked = sample_anchors(seq, anchors, g)
             if len(picked):
-                blocks.append((seq, feats[i].clone(), picked))
+                blocks.append((seq, feat.clone(), picked))
     return blocks[:samples]
 
 
