@@ -4,8 +4,11 @@ A first run on plain decoding shows no speculation at all, and a first run on a 
 loses here shows mostly rejections; neither tells a visitor what the tool is for. So the app
 reads the benchmark JSON this repository ships for the preset (`python -m specflash bench`,
 docs/bench-*.json) and preselects the (method, held-out prompt) with the highest measured
-speedup over ar, saying where that figure came from. Without a benchmark for the preset it
-opens on the first held-out prompt and prompt lookup, and says that nothing was measured.
+speedup over ar, saying where that figure came from. Wins where the draft gate's prompt lookup
+drafted most steps are passed over while another win exists: they come from a prompt the target
+repeats itself on (the 135M model loops), and show copying, not the method's drafter. Without a
+benchmark for the preset it opens on the first held-out prompt and prompt lookup, and says that
+nothing was measured.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from specflash.prompts import heldout_prompts
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 FALLBACK_METHOD = "pld"
+LOOKUP_DRIVEN = 0.5  # above this share of steps drafted by the gate's prompt lookup, a win is lookup's
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,17 @@ def _per_prompt_speedups(samples: Iterable[dict[str, Any]]) -> dict[tuple[str, s
     medians = {key: statistics.median(values) for key, values in walls.items()}
     return {(method, pid): medians[("ar", pid)] / wall for (method, pid), wall in medians.items()
             if method != "ar" and ("ar", pid) in medians and wall > 0}
+
+
+def _lookup_shares(samples: Iterable[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    """(method, prompt id) -> share of its decode steps that the gate's prompt lookup drafted."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for s in samples:
+        metrics = s.get("metrics", {})
+        pair = counts.setdefault((s["method"], s["prompt_id"]), [0, 0])
+        pair[0] += metrics.get("lookup_steps", 0)
+        pair[1] += metrics.get("decode_steps", 0)
+    return {key: looked / steps for key, (looked, steps) in counts.items() if steps}
 
 
 def bench_for(preset: str, device: str, docs: Path = DOCS) -> tuple[Path, dict[str, Any]] | None:
@@ -66,10 +81,12 @@ def first_run(preset: str, device: str, methods: list[str], docs: Path = DOCS) -
     found = bench_for(preset, device, docs)
     if found:
         path, data = found
-        ranked = sorted(((s, key) for key, s in _per_prompt_speedups(data["samples"]).items()
+        lookup = _lookup_shares(data["samples"])
+        ranked = sorted(((lookup.get(key, 0.0) <= LOOKUP_DRIVEN, s, key)
+                         for key, s in _per_prompt_speedups(data["samples"]).items()
                          if key[0] in methods and key[0] in METHODS and key[1] in prompts), reverse=True)
         if ranked:
-            speed, (method, pid) = ranked[0]
+            _, speed, (method, pid) = ranked[0]
             return FirstRun(prompts[pid].text, method, (
                 f"Preselected: **{method}** on a held-out {prompts[pid].domain} prompt, the clearest win measured "
                 f"for {preset} on {device}: {speed:.2f}x plain decoding (median wall time over "

@@ -99,6 +99,21 @@ def test_the_first_run_is_the_clearest_measured_win(tmp_path):
     assert fallback.method == "pld" and "nothing here says which method wins" in fallback.note
 
 
+def test_a_win_prompt_lookup_drafted_gives_way_to_one_the_drafter_made(tmp_path):
+    code, rewrite = heldout_prompts("code")[0], heldout_prompts("rewrite")[0]
+
+    def sample(method, pid, wall, looked):
+        return {"method": method, "prompt_id": pid, "wall": wall, "metrics": {"decode_steps": 10, "lookup_steps": looked}}
+
+    samples = [sample("ar", pid, 2.0, 0) for pid in (code.id, rewrite.id)]
+    samples += [sample("dflash", rewrite.id, 0.8, 7), sample("dflash", code.id, 1.0, 1)]
+    _bench(tmp_path / "bench-x-cpu.json", "preset-x", "cpu: 2 threads", samples)
+    first = first_run("preset-x", "cpu", ["ar", "dflash"], docs=tmp_path)
+    assert (first.prompt, first.method) == (code.text, "dflash") and "2.00x" in first.note
+    _bench(tmp_path / "bench-x-cpu.json", "preset-x", "cpu: 2 threads", samples[:3])  # no other win: it is kept
+    assert first_run("preset-x", "cpu", ["ar", "dflash"], docs=tmp_path).prompt == rewrite.text
+
+
 def test_parse_run_round_trips_and_names_what_is_wrong():
     run = record("pld", 10)
     run.steps = [StepRecord(step=0, phase="prefill", context_len=1, tokens=[], parents=[], q=None, p=[], accepted=[],
