@@ -94,8 +94,8 @@ def add_hold_out_arg(p: argparse.ArgumentParser) -> None:
 
 def add_rehearse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rehearse", type=lambda s: [Path(x) for x in s.split(",") if x], default=[], metavar="DIR,...",
-                   help="data folders a continued drafter has trained on before: only their first --rehearse-shards "
-                        "shards join the run, so it keeps what they taught at a fraction of their feature cost")
+                   help="data folders of which only the first --rehearse-shards shards join the run: older data "
+                        "kept in sight, or a sample of a large folder, at a fraction of its feature cost")
     p.add_argument("--rehearse-shards", type=int, default=2, help="shards taken from each --rehearse folder")
 
 
