@@ -75,8 +75,9 @@ def test_rehearsal_takes_the_first_shards_of_older_folders_but_the_held_out(pack
         dflash.parse_args(_args(packed, tmp_path, "--rehearse-shards", "0"))
 
 
-def test_a_run_after_features_only_computes_no_feature(packed, tmp_path, monkeypatch):
+def test_a_run_after_features_only_computes_no_feature(packed, tmp_path, monkeypatch, capsys):
     assert dflash.main(_args(packed, tmp_path, "--out", str(tmp_path / "warm"), "--features-only")) == 0
+    assert "computed the features of 3 of 3 shard(s)" in capsys.readouterr().err
     assert not (tmp_path / "warm" / "checkpoint").exists()  # the worker trains nothing
     assert len(list((tmp_path / "features").glob("*.safetensors"))) == 3  # 2 shards + 1 rehearsed
 

@@ -363,8 +363,9 @@ class TrainLoop:
         self.clock += time.perf_counter() - started
 
 
-def train(args: argparse.Namespace) -> Progress:
-    """Run (or resume) training until `--epochs`/`--steps` or `--minutes` are used up."""
+def train(args: argparse.Namespace) -> Progress | str:
+    """Run (or resume) training until `--epochs`/`--steps` or `--minutes` are used up (with
+    `--features-only`: fill the feature cache and say how much it computed)."""
     out = Path(args.out or Path(platformdirs.user_cache_dir("specflash")) / "train" / f"dflash-{args.name}")
     out.mkdir(parents=True, exist_ok=True)
     if args.init_from and not args.hold_out:  # what the starting drafter never saw, this one must not see either
@@ -385,8 +386,7 @@ def train(args: argparse.Namespace) -> Progress:
         shards = training_shards(args)
         layers = tuple(model.spec.target_layer_ids) + ((target.num_layers - 1,) if soft else ())
         done = warm_cache(target, [shards[i] for i in _order(len(shards), args.seed, 0)], layers, cache)
-        print(f"computed the features of {done} shard(s) into {cache}")
-        return progress
+        return f"computed the features of {done} of {len(shards)} shard(s) into {cache}"
     validate = None
     if args.validate_every:
         held = held_out_blocks(target, args.data + args.rehearse, args.hold_out, model.spec.target_layer_ids, cache,
@@ -505,7 +505,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Seq[str] | None = None) -> int:
     """CLI entry: exit 0 on success, 2 with a one-line message on bad input."""
-    return run_script(parse_args(argv), train, lambda p: f"trained {p.step} steps, {p.tokens} tokens, {p.seconds / 60:.1f} min")
+    return run_script(parse_args(argv), train, lambda p: p if isinstance(p, str) else
+                      f"trained {p.step} steps, {p.tokens} tokens, {p.seconds / 60:.1f} min")
 
 
 if __name__ == "__main__":
