@@ -80,3 +80,21 @@ def test_cli_scores_drafters_side_by_side(setup, capsys):  # noqa: F811
     assert result["a"]["val_tau"] == pytest.approx(direct["val_tau"])
     assert result["a"]["blocks"] == sum(len(a) for _, _, a in blocks)
     assert validation.main(argv[:-6] + ["--drafters", folder, "--labels", "a,b"]) == 2
+
+
+def test_per_folder_scores_each_folder_apart_and_together(setup, tmp_path, capsys):  # noqa: F811
+    import shutil
+
+    from specflash.training import validation
+
+    tmp, _, model_dir = setup
+    twin = tmp_path / "twin"
+    shutil.copytree(tmp / "data", twin)
+    argv = ["--model", str(model_dir), "--data", f"{tmp / 'data'},{twin}", "--hold-out", HELD, "--drafters",
+            str(tmp / "dflash"), "--labels", "a", "--samples", "4", "--anchors", "8", "--per-folder"]
+    assert validation.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)["a"]
+    folders = result.pop("folders")
+    assert sorted(folders) == ["data", "twin"] and folders["data"] == folders["twin"]  # the same shards, the same draw
+    assert result["blocks"] == 2 * folders["data"]["blocks"]
+    assert result["val_tau"] == pytest.approx(folders["data"]["val_tau"])

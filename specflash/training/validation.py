@@ -84,9 +84,25 @@ def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     layers = {tuple(d.spec.target_layer_ids) for d in drafters}
     if len(layers) > 1:
         raise SpecFlashError(f"the drafters read different target layers ({sorted(layers)}); compare them one at a time")
-    blocks = held_out_blocks(target, args.data, args.hold_out, layers.pop(), None, args.samples, args.anchors, args.seed)
-    return {label: {**held_out_acceptance(d.float(), blocks, loss_weights(d.spec.block_size, d.spec.block_size / 2)),
-                    "blocks": sum(len(a) for _, _, a in blocks)} for label, d in zip(labels, drafters)}
+    layer_ids = layers.pop()
+    if args.per_folder:  # the same number of sequences from each folder, scored apart and together
+        per = math.ceil(args.samples / len(args.data))
+        groups = {Path(d).name: held_out_blocks(target, [d], args.hold_out, layer_ids, None, per, args.anchors, args.seed)
+                  for d in args.data if any((Path(d) / name).is_file() for name in args.hold_out)}
+    else:
+        groups = {"": held_out_blocks(target, args.data, args.hold_out, layer_ids, None, args.samples, args.anchors,
+                                      args.seed)}
+
+    def figures(d: DFlashDrafter, blocks: list[Block]) -> dict[str, float]:
+        weights = loss_weights(d.spec.block_size, d.spec.block_size / 2)
+        return {**held_out_acceptance(d, blocks, weights), "blocks": sum(len(a) for _, _, a in blocks)}
+
+    every = [b for blocks in groups.values() for b in blocks]
+    out = {label: figures(d.float(), every) for label, d in zip(labels, drafters)}
+    if args.per_folder:
+        for label, d in zip(labels, drafters):
+            out[label]["folders"] = {name: figures(d, blocks) for name, blocks in groups.items()}
+    return out
 
 
 def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
@@ -102,6 +118,9 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=256, help="held-out sequences, spread over the held-out shards")
     p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-folder", action="store_true",
+                   help="draw --samples evenly from each folder and also score each folder apart (e.g. greedy "
+                        "harvests against sampled ones)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return p.parse_args(argv)
