@@ -25,6 +25,7 @@ from torch import nn
 from ..errors import CheckpointError
 
 PREFIX = "thresh_head_two_model."
+CONFIG_KEYS = ("use_thresh_head_two_model", "thresh_head_bottleneck_dim", "thresh_head_direct_len")  # in dflash_config
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -71,11 +72,7 @@ def save_length_head(head: LengthHead, folder: Path | str, dtype: torch.dtype = 
     tmp = folder / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / WEIGHTS_FILE)
-    config.setdefault("dflash_config", {}).update({
-        "use_thresh_head_two_model": True,
-        "thresh_head_bottleneck_dim": head.down.out_features,
-        "thresh_head_direct_len": True,
-    })
+    config.setdefault("dflash_config", {}).update(dict(zip(CONFIG_KEYS, (True, head.down.out_features, True))))
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 

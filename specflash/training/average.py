@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
 from ..models.dflash_io import D2T_FILE, read_config
-from ..models.length_head import PREFIX as LENGTH_HEAD
+from ..models.length_head import CONFIG_KEYS as LENGTH_HEAD_KEYS, PREFIX as LENGTH_HEAD
 from .entry import run_script
 
 WEIGHTS = "model.safetensors"
@@ -56,7 +56,8 @@ def average(first: Path, second: Path, out: Path, weight: float = 0.5) -> dict:
     shared = sorted(set(a) & set(b))
     mismatched = [k for k in shared if a[k].shape != b[k].shape]
     if mismatched or not shared:
-        raise CheckpointError(f"{first} and {second} are not one drafter's shape (e.g. {(mismatched or ['no shared tensor'])[0]})")
+        example = (mismatched or ["no shared tensor"])[0]
+        raise CheckpointError(f"{first} and {second} are not one drafter's shape (e.g. {example})")
     mixed = {k: (weight * a[k].float() + (1 - weight) * b[k].float()).to(torch.float16) for k in shared}
     out.mkdir(parents=True, exist_ok=True)
     save_file(mixed, str(out / WEIGHTS))
@@ -64,9 +65,8 @@ def average(first: Path, second: Path, out: Path, weight: float = 0.5) -> dict:
         shutil.copyfile(second / D2T_FILE, out / D2T_FILE)
     config = read_config(second)
     if not any(k.startswith(LENGTH_HEAD) for k in mixed):
-        dflash = config.get("dflash_config", {})
-        for key in [k for k in dflash if "thresh_head" in k]:
-            del dflash[key]
+        for key in LENGTH_HEAD_KEYS:
+            config.get("dflash_config", {}).pop(key, None)
     note = {"averaged": [first.name, second.name], "weight_of_first": weight,
             "dropped": sorted(set(a) ^ set(b))}
     config["specflash_training"] = {**config.get("specflash_training", {}), **note}
@@ -77,7 +77,8 @@ def average(first: Path, second: Path, out: Path, weight: float = 0.5) -> dict:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specflash.training.average", description=__doc__.split("\n\n")[0])
     p.add_argument("first", type=Path, help="drafter folder (e.g. the run's start)")
-    p.add_argument("second", type=Path, help="drafter folder of the same line (e.g. the run's export); its config is kept")
+    p.add_argument("second", type=Path,
+                   help="drafter folder of the same line (e.g. the run's export); its config is kept")
     p.add_argument("--out", required=True, type=Path, help="folder for the averaged drafter")
     p.add_argument("--weight", type=float, default=0.5, help="share of the first drafter")
     args = p.parse_args(argv)

@@ -411,8 +411,10 @@ def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
     keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed", "init", "draft_vocab", "soft_labels")
     if args.init_from:  # the starting folder fixed the initialisation and the draft vocabulary
         keep = tuple(k for k in keep if k not in ("init", "draft_vocab")) + ("init_from",)
-    return {"specflash_training": {**{k: _portable(getattr(args, k)) for k in keep}, "data": [Path(d).name for d in args.data],
-                                   "rehearse": [Path(d).name for d in args.rehearse], "rehearse_shards": args.rehearse_shards,
+    return {"specflash_training": {**{k: _portable(getattr(args, k)) for k in keep},
+                                   "data": [Path(d).name for d in args.data],
+                                   "rehearse": [Path(d).name for d in args.rehearse],
+                                   "rehearse_shards": args.rehearse_shards,
                                    "held_out": list(args.hold_out),
                                    "steps": progress.step, "tokens": progress.tokens,
                                    "minutes": round(progress.seconds / 60, 1)}}

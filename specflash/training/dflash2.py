@@ -47,8 +47,8 @@ from ..models.dflash2 import DFlash2Drafter, DFlash2Spec, from_dflash
 from ..models.dflash_io import DFLASH2_KEYS, load_drafter, save_drafter
 from ..models.target import TargetModel
 from .data import load_training_target
-from .dflash import (CHECKPOINT, EPOCHS_HELP, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg, add_rehearse_args,
-                     add_precision_arg, default_epochs, learning_rate, resolve_precision)
+from .dflash import (CHECKPOINT, EPOCHS_HELP, TRAINER_STATE, Progress, TrainLoop, _total_steps, add_hold_out_arg,
+                     add_precision_arg, add_rehearse_args, default_epochs, learning_rate, resolve_precision)
 from .dflash2_objective import combine, sequence_terms
 from .dflash_objective import sample_anchors
 from .entry import run_script

@@ -38,16 +38,22 @@ def sequence_features(target: TargetModel, token_ids: list[int]) -> torch.Tensor
     return target.forward(token_ids, target.new_cache(), 0, last_only=True).features
 
 
-def harvested_features(shard: Path, layer_ids: tuple[int, ...], n_samples: int) -> list[torch.Tensor] | None:
-    """The features stored beside a harvested shard, restricted to `layer_ids` (None when the
-    shard has none, or they lack one of the layers)."""
+def _stored_layers(shard: Path) -> list[int] | None:
+    """The layers whose features are stored beside a harvested shard (its file's metadata only)."""
     path = features_path(shard)
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
-        stored = json.loads(f.metadata()["layer_ids"])
-    if not set(layer_ids) <= set(stored):
+        return json.loads(f.metadata()["layer_ids"])
+
+
+def harvested_features(shard: Path, layer_ids: tuple[int, ...], n_samples: int) -> list[torch.Tensor] | None:
+    """The features stored beside a harvested shard, restricted to `layer_ids` (None when the
+    shard has none, or they lack one of the layers)."""
+    stored = _stored_layers(shard)
+    if stored is None or not set(layer_ids) <= set(stored):
         return None
+    path = features_path(shard)
     t = load_file(str(path))
     width = t["features"].shape[1] // len(stored)
     cols = torch.cat([torch.arange(width) + stored.index(i) * width for i in layer_ids])
@@ -58,7 +64,8 @@ def harvested_features(shard: Path, layer_ids: tuple[int, ...], n_samples: int) 
     return [feats[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _saved_features(samples: list, shard: Path, layer_ids: tuple[int, ...], path: Path | None) -> list[torch.Tensor] | None:
+def _saved_features(samples: list, shard: Path, layer_ids: tuple[int, ...],
+                    path: Path | None) -> list[torch.Tensor] | None:
     """The shard's features stored beside it or cached at `path`, or None."""
     stored = harvested_features(shard, layer_ids, len(samples))
     if stored is not None or path is None or not path.is_file():
@@ -114,9 +121,9 @@ def warm_cache(target: TargetModel, shards: list[Path], layer_ids: tuple[int, ..
     done = 0
     for shard in shards:
         path = _cache_path(target, shard, layer_ids, cache_dir)
-        samples = read_shard(shard)
-        if _saved_features(samples, shard, layer_ids, path) is not None:
-            continue
+        stored = _stored_layers(shard)
+        if path.is_file() or (stored is not None and set(layer_ids) <= set(stored)):
+            continue  # a file present is enough here: reading a shard's features back costs a second or more
         lock = path.with_name(path.name + ".lock")
         lock.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -124,7 +131,7 @@ def warm_cache(target: TargetModel, shards: list[Path], layer_ids: tuple[int, ..
         except FileExistsError:
             continue
         try:
-            shard_features(target, samples, shard, layer_ids, cache_dir)
+            shard_features(target, read_shard(shard), shard, layer_ids, cache_dir)
             done += 1
         finally:
             lock.unlink(missing_ok=True)

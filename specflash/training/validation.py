@@ -87,11 +87,12 @@ def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     layer_ids = layers.pop()
     if args.per_folder:  # the same number of sequences from each folder, scored apart and together
         per = math.ceil(args.samples / len(args.data))
-        groups = {Path(d).name: held_out_blocks(target, [d], args.hold_out, layer_ids, None, per, args.anchors, args.seed)
-                  for d in args.data if any((Path(d) / name).is_file() for name in args.hold_out)}
+        folders = [d for d in args.data if any((Path(d) / name).is_file() for name in args.hold_out)]
+        groups = {Path(d).name: held_out_blocks(target, [d], args.hold_out, layer_ids, None, per, args.anchors,
+                                                args.seed) for d in folders}
     else:
-        groups = {"": held_out_blocks(target, args.data, args.hold_out, layer_ids, None, args.samples, args.anchors,
-                                      args.seed)}
+        groups = {"": held_out_blocks(target, args.data, args.hold_out, layer_ids, None, args.samples,
+                                      args.anchors, args.seed)}
 
     def figures(d: DFlashDrafter, blocks: list[Block]) -> dict[str, float]:
         weights = loss_weights(d.spec.block_size, d.spec.block_size / 2)
