@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from specflash.drafters import METHODS
+from specflash.models.presets import REPO_ROOT, weights_fingerprint
 from specflash.prompts import heldout_prompts
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -57,7 +58,9 @@ def _lookup_shares(samples: Iterable[dict[str, Any]]) -> dict[tuple[str, str], f
 
 def bench_for(preset: str, device: str, docs: Path = DOCS) -> tuple[Path, dict[str, Any]] | None:
     """The committed benchmark of this preset on this kind of device, if the repository has one:
-    of several (docs/ also keeps narrower A/B runs), the one that compares the most methods."""
+    of several (docs/ also keeps narrower A/B runs and runs of drafters shipped before), one that
+    measured the weights shipped now (`measures_shipped_weights`), then the one that compares the
+    most methods, then the newest."""
     found = []
     for path in sorted(docs.glob("bench-*.json")):
         try:
@@ -67,11 +70,19 @@ def bench_for(preset: str, device: str, docs: Path = DOCS) -> tuple[Path, dict[s
         samples = data.get("samples") or [{}]
         per_prompt = all("prompt_id" in s and "wall" in s for s in samples)  # not a batched benchmark
         if data.get("model") == preset and str(data.get("device", "")).startswith(device) and per_prompt:
-            found.append((len({s["method"] for s in samples}), path, data))
+            rank = (measures_shipped_weights(data), len({s["method"] for s in samples}), data.get("date", ""))
+            found.append((rank, path, data))
     if not found:
         return None
     _, path, data = max(found, key=lambda item: item[0])  # the first in name order on a tie
     return path, data
+
+
+def measures_shipped_weights(data: dict[str, Any]) -> bool:
+    """Whether a benchmark recorded the weights it ran (specflash.bench.measured_weights) and
+    every one of them is, byte for byte, what the repository holds at that path now."""
+    recorded = [part for parts in data.get("weights", {}).values() for part in parts.values()]
+    return bool(recorded) and all(weights_fingerprint(REPO_ROOT / part["path"]) == part["weights"] for part in recorded)
 
 
 def first_run(preset: str, device: str, methods: list[str], docs: Path = DOCS) -> FirstRun:

@@ -25,7 +25,7 @@ import torch
 
 from .cli_args import add_model_args, parse_options, torch_dtype
 from .config import SamplingConfig
-from .models.presets import default_drafter
+from .models.presets import PRESETS, default_drafter, portable_path, resolve_drafter, weights_fingerprint
 
 HF_ROWS = ("hf-assisted", "hf-pld")
 
@@ -93,6 +93,18 @@ def _engine_runner(target, method: str, drafter: str | None, options: dict, cach
         return rec.output_ids, rec.metrics
 
     return run
+
+
+def measured_weights(model: str, method: str, drafter: str | None, options: dict,
+                     cache_dir: Path | None) -> dict[str, dict[str, str]]:
+    """Which weights a method ran with: its drafter and, for `dels`, its local head, each as a
+    portable path and a digest (`weights_fingerprint`), recorded in the benchmark's JSON."""
+    parts = {"drafter": drafter}
+    if method == "dels":
+        head = options.get("local_head") or (resolve_drafter(model, "local_head", cache_dir) if model in PRESETS else None)
+        parts["local_head"] = None if head is None else str(head)
+    digests = {role: weights_fingerprint(path) for role, path in parts.items() if path}
+    return {role: {"path": portable_path(parts[role]), "weights": digest} for role, digest in digests.items() if digest}
 
 
 def _method_options(items: list[str]) -> dict[str, dict]:
@@ -195,7 +207,7 @@ def run_bench(args: argparse.Namespace) -> int:
     target = load(args.model, device=args.device, dtype=torch_dtype(args.dtype), cache_dir=args.cache_dir)
     variants = label_variants(methods, _method_options(args.option))
     drafter = args.drafter or default_drafter(args.model, "draft", args.cache_dir)
-    runners = {}
+    runners, weights = {}, {}
     for name, (m, options) in variants.items():
         if m in HF_ROWS:
             drafter_model = None
@@ -208,6 +220,7 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             method_drafter = drafter if m == "draft" else args.drafter or default_drafter(args.model, m, args.cache_dir)
             runners[name] = _engine_runner(target, m, method_drafter, options, args.cache_dir)
+            weights[name] = measured_weights(args.model, m, method_drafter, options, args.cache_dir)
     prompts = bench_prompts(args.prompts, [d.strip() for d in args.domains.split(",") if d.strip()],
                             args.prompts_per_domain, args.cache_dir)
     encoded = {pid: encode_prompt(target, text) for _, pid, text in prompts}
@@ -234,6 +247,7 @@ def run_bench(args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps({
         "device": device, "model": args.model, "prompt_set": args.prompts, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "options": {name: options for name, (_, options) in variants.items() if options},
+        "weights": {name: w for name, w in weights.items() if w}, "date": time.strftime("%Y-%m-%d"),
         "rows": rows, "per_domain": per_domain, "samples": [s.__dict__ for s in samples],
         "note": "speedup = median over (prompt, repeat) of ar wall time / method wall time, both end to end",
     }, indent=1))

@@ -8,9 +8,10 @@ import json
 import pytest
 
 from app import views_compare
-from app.first_run import first_run
+from app.first_run import bench_for, first_run, measures_shipped_weights
 from app.methods import all_knobs
 from app.run_json import RunJSONError, parse_run, run_settings
+from specflash.models.presets import REPO_ROOT, weights_fingerprint
 from specflash.prompts import heldout_prompts
 from specflash.trace import RunRecord, StepRecord
 
@@ -139,3 +140,29 @@ def test_run_settings_restore_only_the_runs_own_knobs():
     assert (settings.prompt, settings.method, settings.temperature, settings.max_new_tokens) == ("hello", "pld", 0.5, 3)
     assert [v for k, v in zip(knobs, settings.knobs) if k.method == "pld"] == [2, 3, 1]
     assert all(v is None for k, v in zip(knobs, settings.knobs) if k.method == "ptd")
+
+
+def test_figures_of_the_shipped_weights_come_before_wider_older_ones(tmp_path):
+    code = heldout_prompts("code")[0]
+    drafter = "assets/drafters/smollm2-135m-dflash"
+    shipped = {"dflash": {"drafter": {"path": drafter, "weights": weights_fingerprint(REPO_ROOT / drafter)}}}
+    replaced = {"dflash": {"drafter": {"path": drafter, "weights": "0" * 16}}}
+
+    def samples(methods, wall):
+        return [{"method": m, "prompt_id": code.id, "wall": 2.0 if m == "ar" else wall} for m in methods]
+
+    wide = samples(("ar", "pld", "dflash"), 1.0)
+    (tmp_path / "bench-a-cpu.json").write_text(json.dumps(
+        {"model": "preset-x", "device": "cpu", "weights": replaced, "samples": wide}))
+    (tmp_path / "bench-b-cpu.json").write_text(json.dumps({"model": "preset-x", "device": "cpu", "samples": wide}))
+    (tmp_path / "bench-c-cpu.json").write_text(json.dumps(
+        {"model": "preset-x", "device": "cpu", "weights": shipped, "samples": samples(("ar", "dflash"), 1.6)}))
+    assert measures_shipped_weights({"weights": shipped}) and not measures_shipped_weights({"weights": replaced})
+    assert not measures_shipped_weights({})
+    assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-c-cpu.json"
+    assert "1.25x" in first_run("preset-x", "cpu", ["ar", "dflash"], docs=tmp_path).note
+    (tmp_path / "bench-c-cpu.json").unlink()
+    older, newer = ({"model": "preset-x", "device": "cpu", "date": d, "samples": wide} for d in ("2026-12-01", "2026-12-05"))
+    (tmp_path / "bench-a-cpu.json").write_text(json.dumps(newer))
+    (tmp_path / "bench-b-cpu.json").write_text(json.dumps(older))
+    assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-a-cpu.json"

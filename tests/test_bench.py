@@ -101,3 +101,27 @@ def test_bench_tuning_prompts_come_from_the_tuning_requests(monkeypatch, tmp_pat
     monkeypatch.setattr(harvest, "tuning_jobs", fake)
     assert bench.bench_prompts("tuning", ["math"], 2, tmp_path) == [("math", "math-0", "math request 0"),
                                                                     ("math", "math-1", "math request 1")]
+
+
+def test_the_json_names_the_weights_each_method_ran(tmp_path):
+    import hashlib
+
+    from specflash.bench import measured_weights
+    from specflash.models.presets import REPO_ROOT
+
+    drafter = REPO_ROOT / "assets" / "drafters" / "smollm2-135m-dflash"
+    head = REPO_ROOT / "assets" / "heads" / "smollm2-135m-local-head"
+
+    def digest(folder):
+        h = hashlib.sha256()
+        for f in sorted(folder.glob("*.safetensors")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        return h.hexdigest()[:16]
+
+    recorded = measured_weights("smollm2-135m", "dels", str(drafter), {}, None)
+    assert recorded == {"drafter": {"path": "assets/drafters/smollm2-135m-dflash", "weights": digest(drafter)},
+                        "local_head": {"path": "assets/heads/smollm2-135m-local-head", "weights": digest(head)}}
+    assert list(measured_weights("smollm2-135m", "dflash", str(drafter), {}, None)) == ["drafter"]
+    assert measured_weights("some/path", "pld", None, {}, None) == {}
+    assert measured_weights("smollm2-135m", "dflash", str(tmp_path), {}, None) == {}  # no weights there

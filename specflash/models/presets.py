@@ -13,6 +13,7 @@ Drafter locations starting with `assets/` are relative to the repository root.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,3 +183,18 @@ def portable_path(path: str | Path) -> str:
     else only its folder name. An absolute path would record this machine's layout, true nowhere else."""
     resolved = Path(path).resolve()
     return resolved.relative_to(REPO_ROOT).as_posix() if resolved.is_relative_to(REPO_ROOT) else resolved.name
+
+
+def weights_fingerprint(path: str | Path) -> str | None:
+    """A short digest of a drafter or head folder's weight files (a file: of it alone), or None
+    when there is nothing there. Why: a benchmark records which weights it measured, so that the
+    app cites figures of the drafter it ships, not of one replaced since."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.is_file() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
