@@ -56,6 +56,20 @@ class LocalHead(nn.Module):
         rows = head.weight[ids]
         return lambda hidden: nn.functional.linear(hidden, rows, bias)
 
+    def candidate_readout(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A readout over different tokens at every position: ids [B, T, C] -> logits [B, T, C]
+        from hidden [B, T, E]. Training against a drafter (training/local_head_fusion.py) scores
+        each slot's own candidates only, as the method does."""
+        head = self._borrowed[1]
+        rows = head.weight[ids]  # [B, T, C, E]
+        bias = None if getattr(head, "bias", None) is None else head.bias[ids]
+
+        def readout(hidden: torch.Tensor) -> torch.Tensor:
+            logits = torch.einsum("bte,btce->btc", hidden, rows.to(hidden.dtype))
+            return logits if bias is None else logits + bias
+
+        return readout
+
     def forward(self, ids: torch.Tensor, state: torch.Tensor | None = None,
                 readout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, T] -> (logits [B, T, V]: position j predicts token j+1, GRU state [1, B, G]).
