@@ -101,7 +101,9 @@ def measured_weights(model: str, method: str, drafter: str | None, options: dict
     portable path and a digest (`weights_fingerprint`), recorded in the benchmark's JSON."""
     parts = {"drafter": drafter}
     if method == "dels":
-        head = options.get("local_head") or (resolve_drafter(model, "local_head", cache_dir) if model in PRESETS else None)
+        head = options.get("local_head")
+        if head is None and model in PRESETS:
+            head = resolve_drafter(model, "local_head", cache_dir)
         parts["local_head"] = None if head is None else str(head)
     digests = {role: weights_fingerprint(path) for role, path in parts.items() if path}
     return {role: {"path": portable_path(parts[role]), "weights": digest} for role, digest in digests.items() if digest}

@@ -162,7 +162,8 @@ def test_figures_of_the_shipped_weights_come_before_wider_older_ones(tmp_path):
     assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-c-cpu.json"
     assert "1.25x" in first_run("preset-x", "cpu", ["ar", "dflash"], docs=tmp_path).note
     (tmp_path / "bench-c-cpu.json").unlink()
-    older, newer = ({"model": "preset-x", "device": "cpu", "date": d, "samples": wide} for d in ("2026-12-01", "2026-12-05"))
+    older, newer = ({"model": "preset-x", "device": "cpu", "date": d, "samples": wide}
+                    for d in ("2026-12-01", "2026-12-05"))
     (tmp_path / "bench-a-cpu.json").write_text(json.dumps(newer))
     (tmp_path / "bench-b-cpu.json").write_text(json.dumps(older))
     assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-a-cpu.json"
