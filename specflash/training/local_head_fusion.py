@@ -19,7 +19,7 @@ as well as folders, to pick shards the drafter never saw; the held-out shards of
 scored for the report, offline: the leading run of fused argmaxes equal to the target's tokens is
 what greedy verification accepts with the gate off (scripts/dels_sweep.py measures it by decoding).
 
-    python -m specflash.training.local_head_fusion --model TARGET --drafter DRAFTER \
+    python -m specflash.training.local_head_fusion --model TARGET --drafter DRAFTER --init-from HEAD \
         --data DIR/shard-00006.safetensors,... --eval-data DIR,... --hold-out shard-00001.safetensors \
         --steps 1500 --export OUT
 """
