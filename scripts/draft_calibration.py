@@ -1,0 +1,89 @@
+"""How well a DFlash drafter's confidence predicts acceptance, on held-out harvest blocks.
+
+AdaFlash's cost rule (drafters/adaflash.py) reads each drafted position's top probability as the
+chance it is accepted once the positions before it were; `rate` scales that reading. This prints,
+for every slot reached (all earlier slots right), the mean confidence against how often the slot
+was right, by confidence bin and by slot: where the two part, the cut is too eager or too timid.
+
+    source scripts/env.sh && python scripts/draft_calibration.py --model <target folder> \
+        --drafter assets/drafters/smollm2-135m-dflash --data <harvest folders> --samples 42
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from specflash.models.dflash_io import load_drafter
+from specflash.training.data import load_training_target
+from specflash.training.dflash_objective import block_forward, block_labels
+from specflash.training.validation import held_out_blocks
+
+EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001]
+
+
+@torch.no_grad()
+def reached_slots(drafter, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(confidence, right, slot index) of every slot whose earlier slots were all right."""
+    conf, right, slot = [], [], []
+    for seq, feats, anchors in blocks:
+        hidden = block_forward(drafter, seq, feats.float(), anchors)[:, 1:]
+        labels, valid = block_labels(seq.next_ids, anchors, drafter.spec.block_size)
+        if drafter.draft_ids is None:
+            top, arg = drafter.logits(hidden).float().softmax(-1).max(-1)
+        else:  # a target token outside the draft vocabulary is a slot drafted wrong, as at inference
+            top, arg = drafter.draft_logits(hidden).softmax(-1).max(-1)
+            arg = drafter.draft_ids[arg]
+        ok = (arg == labels) & valid
+        before = torch.cat([torch.ones_like(ok[:, :1]), ok.long().cumprod(1)[:, :-1].bool()], 1)
+        keep = before & valid
+        conf.append(top[keep])
+        right.append(ok[keep].float())
+        slot.append(torch.arange(ok.shape[1]).expand_as(ok)[keep])
+    return torch.cat(conf), torch.cat(right), torch.cat(slot)
+
+
+def table(conf: torch.Tensor, right: torch.Tensor, slot: torch.Tensor) -> dict:
+    bins = []
+    for lo, hi in zip(EDGES, EDGES[1:]):
+        m = (conf >= lo) & (conf < hi)
+        if m.any():
+            bins.append({"from": lo, "to": min(hi, 1.0), "n": int(m.sum()), "confidence": float(conf[m].mean()),
+                         "accepted": float(right[m].mean())})
+    slots = [{"slot": k + 1, "n": int((slot == k).sum()), "confidence": float(conf[slot == k].mean()),
+              "accepted": float(right[slot == k].mean())} for k in range(int(slot.max()) + 1) if (slot == k).any()]
+    return {"slots_reached": len(conf), "bins": bins, "per_slot": slots}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="local Hugging Face folder of the target")
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--data", required=True, help="comma list of harvest folders")
+    p.add_argument("--hold-out", default="shard-00001.safetensors")
+    p.add_argument("--samples", type=int, default=42, help="held-out sequences, spread over the folders")
+    p.add_argument("--anchors", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_training_target(Path(args.model), "cpu")
+    drafter = load_drafter(args.drafter, target).float().eval()
+    dirs = [Path(d) for d in args.data.split(",") if d]
+    blocks = held_out_blocks(target, dirs, args.hold_out.split(","), tuple(drafter.spec.target_layer_ids), None,
+                             args.samples, args.anchors)
+    result = table(*reached_slots(drafter, blocks))
+    for b in result["bins"]:
+        print(f"confidence {b['from']:.1f}-{b['to']:.1f}  n {b['n']:5d}  mean {b['confidence']:.3f}  "
+              f"accepted {b['accepted']:.3f}")
+    for s in result["per_slot"]:
+        print(f"slot {s['slot']}  n {s['n']:5d}  confidence {s['confidence']:.3f}  accepted {s['accepted']:.3f}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
