@@ -81,8 +81,9 @@ def bench_for(preset: str, device: str, docs: Path = DOCS) -> tuple[Path, dict[s
 def measures_shipped_weights(data: dict[str, Any]) -> bool:
     """Whether a benchmark recorded the weights it ran (specflash.bench.measured_weights) and
     every one of them is, byte for byte, what the repository holds at that path now."""
-    recorded = [part for parts in data.get("weights", {}).values() for part in parts.values()]
-    return bool(recorded) and all(weights_fingerprint(REPO_ROOT / part["path"]) == part["weights"] for part in recorded)
+    recorded = {(part["path"], part["weights"])  # each folder digested once, however many methods ran it
+                for parts in data.get("weights", {}).values() for part in parts.values()}
+    return bool(recorded) and all(weights_fingerprint(REPO_ROOT / path) == digest for path, digest in recorded)
 
 
 def first_run(preset: str, device: str, methods: list[str], docs: Path = DOCS) -> FirstRun:

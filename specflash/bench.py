@@ -25,7 +25,7 @@ import torch
 
 from .cli_args import add_model_args, parse_options, torch_dtype
 from .config import SamplingConfig
-from .models.presets import PRESETS, default_drafter, portable_path, resolve_drafter, weights_fingerprint
+from .models.presets import default_drafter, portable_path, weights_fingerprint
 
 HF_ROWS = ("hf-assisted", "hf-pld")
 
@@ -101,10 +101,9 @@ def measured_weights(model: str, method: str, drafter: str | None, options: dict
     portable path and a digest (`weights_fingerprint`), recorded in the benchmark's JSON."""
     parts = {"drafter": drafter}
     if method == "dels":
-        head = options.get("local_head")
-        if head is None and model in PRESETS:
-            head = resolve_drafter(model, "local_head", cache_dir)
-        parts["local_head"] = None if head is None else str(head)
+        from .drafters.dels import preset_head
+
+        parts["local_head"] = options.get("local_head") or preset_head(model, cache_dir)
     digests = {role: weights_fingerprint(path) for role, path in parts.items() if path}
     return {role: {"path": portable_path(parts[role]), "weights": digest} for role, digest in digests.items() if digest}
 

@@ -168,7 +168,7 @@ CONFIG = DeLSConfig
 
 def build(target, cfg: DeLSConfig, drafter: str | None, cache_dir: Path | None = None) -> DeLSDrafter:
     model = load_dflash_model(target, drafter, "dels", cfg.draft_dtype)
-    location = cfg.local_head or _preset_head(target.name, cache_dir)
+    location = cfg.local_head or preset_head(target.name, cache_dir)
     if not location:
         raise MethodConfigError(
             "method 'dels' needs a local head: pass -o local_head=PATH (train one with "
@@ -177,7 +177,9 @@ def build(target, cfg: DeLSConfig, drafter: str | None, cache_dir: Path | None =
     return DeLSDrafter(model, cfg, load_local_head(location, target), gate_cost(target, cfg, model.spec.block_size, cache_dir))
 
 
-def _preset_head(model_name: str, cache_dir: Path | None) -> str | None:
+def preset_head(model_name: str, cache_dir: Path | None) -> str | None:
+    """The preset's local head folder, when `model_name` is a preset with one (`build`'s default; the
+    bench records its weights)."""
     from ..models.presets import PRESETS, resolve_drafter
 
     if model_name not in PRESETS:
