@@ -9,7 +9,7 @@ from conftest import LOSSLESS_ARCHS, hf_greedy
 from specflash.api import generate
 from specflash.drafters.adaflash import AdaFlashConfig, AdaFlashDrafter
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
-from specflash.drafters.gate import DraftGate
+from specflash.drafters.gate import DraftGate, cost_line
 from specflash.errors import MethodConfigError
 from test_draft_vocab import vocab_drafter
 
@@ -236,10 +236,45 @@ def test_gate_stops_drafting_when_this_run_pays_more_than_the_cached_curve(monke
     assert states[0] == ("shadow", 3)
     assert gate.cost[3] == pytest.approx(1.8)
     assert all(s in ("off", "shadow") for s, _ in states[5:])
-    uncalibrated = DraftGate(FLAT[:4], depth=3, draft_cost=gate.draft_cost)
+    uncalibrated = DraftGate(FLAT[:4], depth=3, draft_cost=gate.drafting_cost(3))
     gate.accept = uncalibrated.accept = [0.4, 0.3, 0.3]
     assert gate.decide(3).state in ("off", "shadow")
     assert uncalibrated.decide(3).state == "on"  # what the cached curve alone would have done
+
+
+def test_cost_line_fits_drafting_cost_by_width():
+    assert cost_line({}, 3) == 0.0
+    assert cost_line({7: 0.4}, 1) == pytest.approx(0.4)  # one width timed: flat
+    line = {1: 0.25, 3: 0.31, 7: 0.46}  # DeLS-like: a block plus a cost per position
+    slope = sum((w - 11 / 3) * (d - 1.02 / 3) for w, d in line.items()) / sum((w - 11 / 3) ** 2 for w in line)
+    assert cost_line(line, 5) == pytest.approx(1.02 / 3 + slope * (5 - 11 / 3))
+    assert cost_line(line, 2) < cost_line(line, 5) < cost_line(line, 7)
+    assert cost_line({1: 0.5, 7: 0.3}, 7) == pytest.approx(0.4)  # noise never makes a wider draft cheaper
+
+
+def test_gate_prices_each_width_at_its_own_drafting_cost(monkeypatch):
+    """A drafter whose block costs 0.2 of a target step plus 0.05 per drafted position: once two
+    widths are timed, the gate values width 1 at d(1) = 0.25 and width 3 at d(3) = 0.35, not one
+    cost for both. A lazy shadow is timed at the one position it computed."""
+    import specflash.drafters.gate as gate_module
+
+    clock = _Clock()
+    monkeypatch.setattr(gate_module.time, "perf_counter", clock)
+    gate = DraftGate(FLAT[:4], depth=3)
+    gate.seconds = {1: 0.040}
+    gate.step_time = 0.040
+    for width, state in ((3, "on"), (1, "on"), (3, "shadow")):
+        positions = 1 if state == "shadow" else None
+        gate.drafted(gate_module.GateDecision(state, width, 1.0, ""), 0.040 * (0.2 + 0.05 * (positions or width)),
+                     positions)
+    assert gate.draft_costs == pytest.approx({3: 0.35, 1: 0.25})
+    assert gate.drafting_cost(1) == pytest.approx(0.25) and gate.drafting_cost(2) == pytest.approx(0.30)
+    gate.accept = [0.6, 0.6, 0.6]
+    assert gate.value(1) == pytest.approx(1.6 / (1.0 + 0.25))
+    assert gate.value(3) == pytest.approx((1 + 0.6 + 0.36 + 0.216) / (1.0 + 0.35))
+    lookup = gate_module.GateDecision("lookup", 3, 1.0, "")
+    gate.drafted(lookup, 0.040)  # prompt lookup's draft is not the drafter's cost
+    assert gate.draft_costs == pytest.approx({3: 0.35, 1: 0.25})
 
 
 @pytest.mark.parametrize("method", ["dflash", "adaflash", "dels"])

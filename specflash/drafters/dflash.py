@@ -118,7 +118,8 @@ class DFlashEngineDrafter(Drafter):
     def gated(self, draft: Draft, decision: GateDecision | None, started: float) -> Draft:
         """Tell the gate what drafting cost and record its decision in the draft's extras."""
         if decision is not None:
-            self.gate.drafted(decision, time.perf_counter() - started if decision.width else 0.0)
+            positions = len(draft.extras.get("shadow", ())) if decision.state == "shadow" else None  # computed so far
+            self.gate.drafted(decision, time.perf_counter() - started if decision.width else 0.0, positions)
             draft.extras["gate"] = decision.to_dict()
         return draft
 

@@ -47,6 +47,15 @@ a wider one it reads c(n) from its own timings (unseen widths: the cached curve 
 ratio measured at the seen ones). When it has drafted from the start it takes one plain step to
 time it, and again every `4 * probe_every` steps, so the estimate follows the machine's load.
 
+What drafting costs by width. The drafter's own time d grows with the drafted width where
+each position costs work of its own: DeLS fuses the positions one at a time (about 7.7 ms for the
+block plus 1.2 ms per position on this CPU, one thread), where DFlash's head reads them all in one
+product (6.2 ms plus 0.2). So the gate times d by the number of positions drafting computed (a
+lazy shadow computes its first only) and reads d(m) off a line d0 + m * d1 fitted to those
+timings (slope at least 0; one width timed: flat). With one cost for every width, a drafter
+whose full block costs twice its first position priced its narrow drafts at the full block's
+cost, and switched drafting off where a short draft paid.
+
 A second source. Beside a learned drafter the gate can also hand a step to prompt lookup
 (lookup_source.py, the `lookup` option): its continuation, valued the same way from its own
 estimates, is drafted when it is worth more than the gate's best choice for the drafter, except
@@ -96,7 +105,8 @@ class DraftGate:
         self.drafting = False  # on (or probing while on) since the last switch
         self.calibrate = draft_cost is None  # a fixed drafter cost: reproducible decisions, no timing
         self.accept: list[float | None] = [None] * depth  # EMA of P(position i accepted | i-1 accepted)
-        self.draft_cost = draft_cost  # d, EMA; None until timed
+        self.draft_cost = draft_cost  # d when fixed, for every width
+        self.draft_costs: dict[int, float] = {}  # EMA of d (units of one target step) by positions computed
         self.step_time: float | None = None  # EMA of one plain target step, seconds
         self.seconds: dict[int, float] = {}  # EMA of a step's time (less drafting) by tokens verified
         self.since_plain = 0  # steps since a plain one-token step was timed
@@ -129,7 +139,14 @@ class DraftGate:
 
     def value(self, m: int, cost: list[float] | None = None) -> float:
         """Expected committed tokens per unit cost when drafting m tokens."""
-        return chain_value(self.rates(), m, cost or self.cost, self.draft_cost or 0.0)
+        return chain_value(self.rates(), m, cost or self.cost, self.drafting_cost(m) if m else 0.0)
+
+    def drafting_cost(self, m: int) -> float:
+        """d(m), the drafter's time for m positions in units of one target step: the fixed
+        `draft_cost`, else the line fitted to this run's timings by width (0 until one is timed)."""
+        if not self.calibrate:
+            return self.draft_cost or 0.0
+        return cost_line(self.draft_costs, m)
 
     @property
     def wants_plain_step(self) -> bool:
@@ -179,7 +196,7 @@ class DraftGate:
         shadow, which commits one token for the block's cost (values[m] per unit cost vs 1 / (1 + d))."""
         depth = len(values) - 1
         width = _best_width([0.0, *values[1:]])
-        shadow = 1.0 / (1.0 + (self.draft_cost or 0.0))
+        shadow = 1.0 / (1.0 + self.drafting_cost(1))  # a lazy shadow computes the block and its first position
         if values[width] > shadow:
             return GateDecision("probe", width, values[width], f"drafting off for {self.since_probe} steps: a look "
                                 f"by drafting {width} for real, worth {values[width]:.2f}x plain decoding against a "
@@ -203,13 +220,15 @@ class DraftGate:
             self.step_time = one_step if self.step_time is None else self._ema(self.step_time, one_step)
         self._last = (now, 0.0, 1)
 
-    def drafted(self, decision: GateDecision, seconds: float) -> None:
-        """After drafting under `decision` (seconds: the drafter's time, 0 when off)."""
+    def drafted(self, decision: GateDecision, seconds: float, positions: int | None = None) -> None:
+        """After drafting under `decision` (seconds: the drafter's time, 0 when off; `positions`:
+        how many drafted positions that time computed, the decision's width unless said)."""
         if self._last is not None:
             self._last = (self._last[0], seconds, 1)
-        if decision.width and decision.state != "lookup" and self.calibrate and self.step_time is not None:
+        width = decision.width if positions is None else positions
+        if width and decision.state != "lookup" and self.calibrate and self.step_time is not None:
             d = seconds / self.step_time
-            self.draft_cost = d if self.draft_cost is None else self._ema(self.draft_cost, d)
+            self.draft_costs[width] = self._ema(self.draft_costs[width], d) if width in self.draft_costs else d
         if decision.state in ("probe", "shadow"):
             self.since_probe = 0
         self._pending = decision
@@ -258,6 +277,19 @@ class DraftGate:
 def _best_width(values: list[float]) -> int:
     """The width worth most (values[m]: expected tokens per unit cost of drafting m); the narrower on a tie."""
     return max(range(len(values)), key=lambda m: (values[m], -m))
+
+
+def cost_line(timed: dict[int, float], m: int) -> float:
+    """The drafter's cost at width m from its costs timed by width: a least-squares line
+    d0 + m * d1 with d1 >= 0 (so noise never makes a wider draft cheaper), never below 0; flat at
+    their mean when fewer than two widths were timed, 0 when none."""
+    if not timed:
+        return 0.0
+    widths, costs = list(timed), list(timed.values())
+    mean_w, mean_d = statistics.fmean(widths), statistics.fmean(costs)
+    spread = sum((w - mean_w) ** 2 for w in widths)
+    slope = max(0.0, sum((w - mean_w) * (d - mean_d) for w, d in zip(widths, costs)) / spread) if spread else 0.0
+    return max(0.0, mean_d + slope * (m - mean_w))
 
 
 def chain_rates(accept: Sequence[float | None]) -> list[float]:
