@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 import specflash
-from specflash.bench import bench_prompts
+from specflash.bench import PROMPT_SETS, bench_prompts
 from specflash.metrics import per_position_acceptance
 from specflash.models.dflash_io import DRAFTER_DTYPE_CHOICES
 from specflash.models.presets import default_drafter
@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--alphas", default="0,0.3,0.6,1.0")
     p.add_argument("--betas", default="0,0.3")
     p.add_argument("--candidates", default=None, help="comma list of candidate counts (default: the method's)")
-    p.add_argument("--prompts", choices=("tuning", "heldout"), default="tuning")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="tuning")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-dtype", choices=DRAFTER_DTYPE_CHOICES, default="auto",

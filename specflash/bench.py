@@ -28,6 +28,7 @@ from .config import SamplingConfig
 from .models.presets import default_drafter, portable_path, weights_fingerprint
 
 HF_ROWS = ("hf-assisted", "hf-pld")
+PROMPT_SETS = ("heldout", "dev", "tuning")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -37,9 +38,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "their own knobs (-o dflash:margin.KEY=VALUE; a label naming an adaflash cut rule sets it); with "
                    "--batch-sizes (default ar,dflash,adaflash): ar, dflash, adaflash and their variants")
     p.add_argument("--domains", default="math,code,writing,rewrite")
-    p.add_argument("--prompts", choices=("heldout", "tuning"), default="heldout",
-                   help="held-out prompts (the figures to report), or tuning requests (harvest.tuning_jobs: choose "
-                        "knobs there, never on the held-out prompts)")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="heldout",
+                   help="held-out prompts (the figures to report), or, to choose knobs on, never on the held-out "
+                        "prompts: the dev prompts (written apart from the held-out ones and every recipe) or the "
+                        "tuning requests (harvest.tuning_jobs)")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
@@ -131,17 +133,18 @@ def label_variants(names: list[str], per_method: dict[str, dict]) -> dict[str, t
 
 def bench_prompts(prompt_set: str, domains: list[str], per_domain: int,
                   cache_dir: Path | None = None) -> list[tuple[str, str, str]]:
-    """(domain, prompt id, text), `per_domain` per domain, of the held-out prompts ("heldout")
-    or of the tuning requests ("tuning": harvest.tuning_jobs)."""
+    """(domain, prompt id, text), `per_domain` per domain, of the held-out prompts ("heldout"),
+    the dev prompts ("dev") or the tuning requests ("tuning": harvest.tuning_jobs)."""
     if prompt_set == "tuning":
         from .models.acquire import default_cache_dir
         from .training.harvest import tuning_jobs
 
         jobs = tuning_jobs(per_domain, cache_dir or default_cache_dir())
         return [(j.domain, j.sample_id, j.text) for j in jobs if j.domain in domains]
-    from .prompts import heldout_prompts
+    from .prompts import dev_prompts, heldout_prompts
 
-    return [(q.domain, q.id, q.text) for d in domains for q in heldout_prompts(d)[:per_domain]]
+    read = dev_prompts if prompt_set == "dev" else heldout_prompts
+    return [(q.domain, q.id, q.text) for d in domains for q in read(d)[:per_domain]]
 
 
 def summarize_samples(samples: list[Sample], methods: list[str]) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from specflash.errors import SpecFlashError
 
 DOMAINS: tuple[str, ...] = ("math", "code", "writing", "rewrite")
-SPLITS: tuple[str, ...] = ("train", "heldout")
+SPLITS: tuple[str, ...] = ("train", "heldout", "dev")
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,10 @@ def training_prompts(domain: str | None = None) -> list[Prompt]:
 def heldout_prompts(domain: str | None = None) -> list[Prompt]:
     """The held-out split, for benchmarks and the app; never for training."""
     return load_prompts(domain, split="heldout")
+
+
+def dev_prompts(domain: str | None = None) -> list[Prompt]:
+    """The dev split: requests written like the held-out ones but apart from them and from every
+    harvest recipe, to choose knobs and weights on (the tuning requests come from the recipe's
+    own templates, which favour whatever was trained on that recipe); never for training."""
+    return load_prompts(domain, split="dev")

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from specflash.errors import SpecFlashError
-from specflash.prompts import DOMAINS, Prompt, heldout_prompts, load_prompts, training_prompts
+from specflash.prompts import DOMAINS, Prompt, dev_prompts, heldout_prompts, load_prompts, training_prompts
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
@@ -30,15 +30,18 @@ def test_ids_are_unique_and_well_formed():
 
 def test_split_follows_the_data_card_rule():
     for p in load_prompts():
-        expected = "heldout" if int(p.id.split("-")[1]) % 10 in (3, 6, 9) else "train"
+        number = int(p.id.split("-")[1])
+        expected = "dev" if number >= 101 else "heldout" if number % 10 in (3, 6, 9) else "train"
         assert p.split == expected, p.id
 
 
-def test_train_and_heldout_do_not_overlap():
-    train, held = training_prompts(), heldout_prompts()
-    assert {p.id for p in train}.isdisjoint(p.id for p in held)
-    assert {p.text.strip().lower() for p in train}.isdisjoint(p.text.strip().lower() for p in held)
-    assert len(train) + len(held) == len(load_prompts())
+def test_train_heldout_and_dev_do_not_overlap():
+    splits = {"train": training_prompts(), "heldout": heldout_prompts(), "dev": dev_prompts()}
+    assert all(len(dev_prompts(d)) >= 8 for d in DOMAINS)
+    for a, b in (("train", "heldout"), ("train", "dev"), ("heldout", "dev")):
+        assert {p.id for p in splits[a]}.isdisjoint(p.id for p in splits[b])
+        assert {p.text.strip().lower() for p in splits[a]}.isdisjoint(p.text.strip().lower() for p in splits[b])
+    assert sum(len(v) for v in splits.values()) == len(load_prompts())
 
 
 @pytest.mark.parametrize("domain", (None,) + DOMAINS)
@@ -68,3 +71,11 @@ def test_custom_root_and_bad_files(tmp_path):
     (tmp_path / "math.jsonl").write_text("{not json\n")
     with pytest.raises(SpecFlashError, match="not a prompt record"):
         load_prompts("math", root=tmp_path)
+
+
+def test_bench_reads_each_prompt_set_from_its_own_split():
+    from specflash.bench import bench_prompts
+
+    assert [pid for _, pid, _ in bench_prompts("dev", ["math", "code"], 2)] == ["math-101", "math-102", "code-101",
+                                                                                 "code-102"]
+    assert [pid for _, pid, _ in bench_prompts("heldout", ["math"], 2)] == [p.id for p in heldout_prompts("math")[:2]]
