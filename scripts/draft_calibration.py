@@ -5,8 +5,15 @@ chance it is accepted once the positions before it were; `rate` scales that read
 for every slot reached (all earlier slots right), the mean confidence against how often the slot
 was right, by confidence bin and by slot: where the two part, the cut is too eager or too timid.
 
+With `--curve`, a verify-cost curve c(1..L), it also models what the cut is worth: committed
+tokens per unit cost, sum(1 + accepted) / sum(c(m + 1) + d), over the held-out blocks, verifying
+a fixed width m on every block against the cost rule's cut over the whole block at several
+rates (d, `--draft-cost`, is the drafter's block in units of one target step; plain decoding,
+m = 0, pays no d). A model, not a timing: it leaves out the gate and prompt lookup.
+
     source scripts/env.sh && python scripts/draft_calibration.py --model <target folder> \
-        --drafter assets/drafters/smollm2-135m-dflash --data <harvest folders> --samples 42
+        --drafter assets/drafters/smollm2-135m-dflash --data <harvest folders> --samples 42 \
+        --curve 1,1.077,1.442,1.603,1.841,1.958,2.110,2.110 --draft-cost 0.2
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from specflash.models.dflash_io import load_drafter
 from specflash.training.data import load_training_target
 from specflash.training.dflash_objective import block_forward, block_labels
 from specflash.training.validation import held_out_blocks
+from specflash.verify_cost import best_cut
 
 EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001]
 
@@ -46,6 +54,41 @@ def reached_slots(drafter, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return torch.cat(conf), torch.cat(right), torch.cat(slot)
 
 
+@torch.no_grad()
+def block_runs(drafter, blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(confidence [n, k] of every drafted slot, accepted run [n]) of the blocks whose slots all
+    have a label (a block cut off by its sequence's end is left out)."""
+    confs, runs = [], []
+    for seq, feats, anchors in blocks:
+        hidden = block_forward(drafter, seq, feats.float(), anchors)[:, 1:]
+        labels, valid = block_labels(seq.next_ids, anchors, drafter.spec.block_size)
+        if drafter.draft_ids is None:
+            top, arg = drafter.logits(hidden).float().softmax(-1).max(-1)
+        else:
+            top, arg = drafter.draft_logits(hidden).softmax(-1).max(-1)
+            arg = drafter.draft_ids[arg]
+        full = valid.all(1)
+        confs.append(top[full])
+        runs.append((arg == labels)[full].long().cumprod(1).sum(1))
+    return torch.cat(confs), torch.cat(runs)
+
+
+def cut_values(conf: torch.Tensor, run: torch.Tensor, curve: list[float], draft_cost: float,
+               rates: list[float]) -> dict[str, dict[str, float]]:
+    """Committed tokens per unit cost of verifying each fixed width on every block, and of the cost
+    rule's cut at each rate (`acceptance_estimate`: confidence times rate, at most 1), which pays
+    for the drafted block even where it verifies none of it."""
+    def value(widths: torch.Tensor, always_drafted: bool = False) -> dict[str, float]:
+        cost = sum(curve[m] + (draft_cost if m or always_drafted else 0.0) for m in widths.tolist())
+        return {"value": float((1 + torch.minimum(run, widths)).sum()) / cost, "mean_width": float(widths.float().mean())}
+
+    out = {f"fixed {m}": value(torch.full_like(run, m)) for m in range(conf.shape[1] + 1)}
+    for rate in rates:
+        cuts = [best_cut([min(1.0, c * rate) for c in row], curve) for row in conf.tolist()]
+        out[f"cut, rate {rate:g}"] = value(torch.tensor(cuts, dtype=run.dtype), always_drafted=True)  # cut after drafting
+    return out
+
+
 def table(conf: torch.Tensor, right: torch.Tensor, slot: torch.Tensor) -> dict:
     bins = []
     for lo, hi in zip(EDGES, EDGES[1:]):
@@ -67,6 +110,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=42, help="held-out sequences, spread over the folders")
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--curve", default=None, help="comma list c(1)=1, c(2), ..., c(L): also model the cut's worth")
+    p.add_argument("--draft-cost", type=float, default=0.2, help="the drafter's block, in target steps")
+    p.add_argument("--rates", default="0.8,1,1.15,1.3,1.5")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -81,6 +127,13 @@ def main() -> None:
               f"accepted {b['accepted']:.3f}")
     for s in result["per_slot"]:
         print(f"slot {s['slot']}  n {s['n']:5d}  confidence {s['confidence']:.3f}  accepted {s['accepted']:.3f}")
+    if args.curve:
+        curve = [float(c) for c in args.curve.split(",")]
+        conf, run = block_runs(drafter, blocks)
+        result["cut_values"] = cut_values(conf, run, curve, args.draft_cost, [float(r) for r in args.rates.split(",")])
+        print(f"{len(run)} whole blocks, the full chain's tau {1 + float(run.float().mean()):.3f}")
+        for name, v in result["cut_values"].items():
+            print(f"{name:14s} tokens per unit cost {v['value']:.3f}  mean verified drafts {v['mean_width']:.2f}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -20,13 +20,13 @@ import torch
 
 import specflash
 from specflash.acceptance_record import record_runs
-from specflash.bench import bench_prompts
+from specflash.bench import PROMPT_SETS, bench_prompts
 from specflash.drafters import build_drafter
 from specflash.drafters.adaflash import AdaFlashConfig, cut_length, kept_length
 from specflash.gate_replay import (AcceptanceRun, ReplayCost, gate_policy, replay_all, replay_fixed, replay_gate,
                                    replay_oracle)
 from specflash.models.dflash_io import DRAFTER_DTYPE_CHOICES
-from specflash.models.presets import default_drafter
+from specflash.models.presets import default_drafter, portable_path
 from specflash.prompts import DOMAINS
 from specflash.step_costs import measure_step_costs
 
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default=None, help="DFlash drafter (default: the preset's)")
     p.add_argument("--draft-dtype", choices=DRAFTER_DTYPE_CHOICES, default="float32")
-    p.add_argument("--prompts", choices=("tuning", "heldout"), default="tuning")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="tuning")
     p.add_argument("--prompts-per-domain", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads while measuring the costs")
@@ -62,6 +62,8 @@ def main() -> None:
                    help="label:key=value,...: a DraftGate variant (repeatable; default: the gate as shipped)")
     p.add_argument("--cut-rate", action="append", default=[], type=float,
                    help="also the gate with AdaFlash's cost cut reading confidences x RATE (repeatable)")
+    p.add_argument("--whole-block", action="store_true",
+                   help="also each cut with AdaFlash's whole_block: the gate's drafting steps draft every slot")
     p.add_argument("--cut-min", action="append", default=[], type=int,
                    help="the cuts' min_len values to replay (repeatable; default: AdaFlash's)")
     p.add_argument("--runs", type=Path, default=None, help="replay this recording instead of recording")
@@ -100,18 +102,21 @@ def main() -> None:
             cut = cost_cut(rate, curve, min_len)
             policies[f"gate + cost cut x{rate:g} min {min_len}"] = \
                 lambda r, cut=cut: replay_gate(r, cost, depth, gate_policy(depth, cost)(), cut)
+            if args.whole_block:
+                policies[f"gate + block cut x{rate:g} min {min_len}"] = \
+                    lambda r, cut=cut: replay_gate(r, cost, depth, gate_policy(depth, cost)(), cut, whole_block=True)
     table = {name: replay_all(runs, play) for name, play in policies.items()}
 
     domains = [d for d in DOMAINS if d in table["oracle"]]
     print(f"cost: curve {' '.join(f'{c:.2f}' for c in curve)}  block {cost.draft:.3f}  shadow {cost.shadow:.3f}")
-    print(f"{'policy':<24}" + "".join(f"{d:>9}" for d in domains) + f"{'all':>9}{'tau':>7}{'drafting':>10}")
+    print(f"{'policy':<30}" + "".join(f"{d:>9}" for d in domains) + f"{'all':>9}{'tau':>7}{'drafting':>10}")
     for name, pooled in table.items():
         a = pooled["all"]
         cells = "".join(f"{pooled[d].speedup:>9.3f}" for d in domains)
-        print(f"{name:<24}{cells}{a.speedup:>9.3f}{a.tokens / a.steps:>7.2f}{a.drafting_steps / a.steps:>10.2f}")
+        print(f"{name:<30}{cells}{a.speedup:>9.3f}{a.tokens / a.steps:>7.2f}{a.drafting_steps / a.steps:>10.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "model": args.model, "drafter": drafter, "threads": args.threads, "draft_dtype": args.draft_dtype, "prompts": args.prompts,
+        "model": args.model, "drafter": portable_path(drafter), "threads": args.threads, "draft_dtype": args.draft_dtype, "prompts": args.prompts,
         "prompts_per_domain": args.prompts_per_domain, "max_new_tokens": args.max_new_tokens,
         "cost": vars(cost), "policies": {n: {d: r.to_dict() for d, r in pooled.items()} for n, pooled in table.items()},
     }, indent=1))

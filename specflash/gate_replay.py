@@ -112,12 +112,15 @@ def replay_oracle(run: AcceptanceRun, cost: ReplayCost, depth: int) -> ReplayRes
 Cut = Callable[[list[float]], int]  # the drafted tokens' confidences -> how many of them to verify
 
 
-def replay_gate(run: AcceptanceRun, cost: ReplayCost, depth: int, gate: DraftGate, cut: Cut | None = None) -> ReplayResult:
+def replay_gate(run: AcceptanceRun, cost: ReplayCost, depth: int, gate: DraftGate, cut: Cut | None = None,
+                whole_block: bool = False) -> ReplayResult:
     """The gate's decisions in the order the engine asks for them (drafters/dflash.py): each
     step it is told what was committed, decides, is told what drafting cost, then what was
     verified and accepted. A shadow draft commits the target's one token, costs a plain step plus
     the shadow, and is scored by the gate against the tokens committed after it. With `cut`
-    (AdaFlash), the drafted tokens are cut to what it keeps of them before verification."""
+    (AdaFlash), the drafted tokens are cut to what it keeps of them before verification; with
+    `whole_block` too, a step the gate drafts ("on") drafts every slot that fits and the cut
+    picks among all of them (AdaFlash's `whole_block`)."""
     result, done = ReplayResult(), 1
     while done < len(run.tokens):
         gate.committed(run.tokens[:done])
@@ -133,10 +136,12 @@ def replay_gate(run: AcceptanceRun, cost: ReplayCost, depth: int, gate: DraftGat
             gate.verified(0, 0)
             continue
         gate.drafted(decision, 0.0)
-        width = decision.width
+        width = drafted = decision.width
+        if whole_block and cut is not None and decision.state == "on":
+            drafted = min(depth, room)
         if width and cut is not None:
-            width = min(width, cut(run.confidence[done - 1][:width]))
-        done += _step(result, cost, width, anchor_accepts, drafted=decision.width)
+            width = min(drafted, cut(run.confidence[done - 1][:drafted]))
+        done += _step(result, cost, width, anchor_accepts, drafted=drafted)
         gate.verified(width, min(width, anchor_accepts))
     return result
 

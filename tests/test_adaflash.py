@@ -80,6 +80,35 @@ def test_cost_rule_verifies_less_than_dflash(tiny_targets):
     assert cut.metrics["verified_per_committed"] < full.metrics["verified_per_committed"]
 
 
+def test_a_drafting_gate_lets_the_cut_pick_the_width(tiny_targets, monkeypatch):
+    """The gate says draft, at width 1: dflash verifies 1 drafted token, adaflash drafts every
+    slot that fits and verifies what its cut says (here the fixed rule's 4), losslessly."""
+    from specflash.drafters.gate import DraftGate, GateDecision
+
+    monkeypatch.setattr(DraftGate, "decide", lambda self, room: GateDecision("on", min(1, room), 1.5, "width 1"))
+    target = tiny_targets["qwen3"]
+    model = random_drafter(target, block=8, feature_layers=(1,))
+    ids = target.tokenizer("def add(a, b):").input_ids
+    runs = {name: generate(target, ids, drafter=drafter, max_new_tokens=30, stop_on_eos=False)
+            for name, drafter in (("dflash", DFlashEngineDrafter(model, DFlashConfig(lookup=False), STEEP[:8])),
+                                  ("adaflash", AdaFlashDrafter(model, AdaFlashConfig(lookup=False, rule="fixed",
+                                                                                     fixed_len=4), STEEP[:8])))}
+    assert runs["dflash"].output_ids == runs["adaflash"].output_ids == hf_greedy(target, ids, 30)
+    decode = [s for s in runs["dflash"].steps[1:] if s.tokens]
+    assert decode and all(len(s.tokens) == 1 and s.extras["gate"]["width"] == 1 for s in decode)
+    drafting = [s for s in runs["adaflash"].steps[1:] if "adaflash" in s.extras]
+    assert len(drafting) >= 4
+    for step in drafting:
+        drafted = len(step.tokens) + len(step.extras["adaflash"]["cut_tokens"])
+        assert step.extras["gate"]["width"] == drafted and len(step.tokens) == min(4, drafted)
+        assert ("the cut picks" in step.extras["gate"]["reason"]) == (drafted > 1)  # 1: all the room left
+    assert max(len(s.tokens) + len(s.extras["adaflash"]["cut_tokens"]) for s in drafting) == 7
+    narrow = AdaFlashDrafter(model, AdaFlashConfig(lookup=False, rule="fixed", fixed_len=4, whole_block=False), STEEP[:8])
+    run = generate(target, ids, drafter=narrow, max_new_tokens=30, stop_on_eos=False)
+    assert run.output_ids == runs["dflash"].output_ids
+    assert all(len(s.tokens) + len(s.extras["adaflash"]["cut_tokens"]) == 1 for s in run.steps[1:] if "adaflash" in s.extras)
+
+
 def test_heuristic_window_follows_acceptance(tiny_targets):
     target = tiny_targets["llama"]
     drafter = AdaFlashDrafter(random_drafter(target, block=8), AdaFlashConfig(gate=False, rule="heuristic", fixed_len=3))
@@ -97,6 +126,8 @@ def test_bad_config():
         AdaFlashConfig(rule="magic")
     with pytest.raises(MethodConfigError):
         AdaFlashConfig(rate=0)
+    with pytest.raises(MethodConfigError, match="whole_block"):
+        AdaFlashConfig(whole_block="yes")
 
 
 def test_verify_len_follows_adaflash_rule():

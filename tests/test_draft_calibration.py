@@ -47,3 +47,28 @@ def test_the_table_bins_by_confidence_and_by_slot(calibration):
                                                                         (0.9, 2, 1.0)]
     assert [(s["slot"], s["n"]) for s in t["per_slot"]] == [(1, 3), (2, 2)]
     assert [s["accepted"] for s in t["per_slot"]] == pytest.approx([2 / 3, 0.5])
+
+
+def test_block_runs_are_the_accepted_runs_of_whole_blocks(calibration, setup):  # noqa: F811
+    tmp, target, _ = setup
+    drafter = load_drafter(tmp / "dflash", target).float().eval()
+    blocks = held_out_blocks(target, [tmp / "data"], ["shard-00001.safetensors"], (1,), None, samples=4, anchors=6)
+    conf, run = calibration.block_runs(drafter, blocks)
+    assert conf.shape == (len(run), 7) and bool(((conf > 0) & (conf <= 1)).all())
+    _, right, slot = calibration.reached_slots(drafter, blocks)
+    assert int(run.sum()) <= int(right.sum())  # the whole blocks' runs are part of every reached slot's
+
+
+def test_cut_values_by_hand(calibration):
+    conf = torch.tensor([[0.9, 0.9], [0.1, 0.1]])
+    run = torch.tensor([2, 0])
+    curve = [1.0, 1.5, 2.0]
+    v = calibration.cut_values(conf, run, curve, 0.5, [1.0])
+    assert v["fixed 0"]["value"] == pytest.approx(2 / 2.0)
+    assert v["fixed 1"]["value"] == pytest.approx((2 + 1) / (2 * (1.5 + 0.5)))
+    assert v["fixed 2"]["value"] == pytest.approx((3 + 1) / (2 * (2.0 + 0.5)))
+    # the cut verifies both drafts of the sure block (E = 1 + 0.9 + 0.81 over 2.0 beats 1.9 over 1.5)
+    # and none of the hopeless one
+    assert v["cut, rate 1"]["mean_width"] == pytest.approx(1.0)
+    assert v["cut, rate 1"]["value"] == pytest.approx((3 + 1) / (2.0 + 0.5 + 1.0 + 0.5))
+

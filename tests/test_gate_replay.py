@@ -80,6 +80,35 @@ def test_the_gate_drafts_a_perfect_drafter_at_full_width():
     assert gated.speedup > 0.9 * full.speedup > 2
 
 
+def test_a_block_cut_picks_among_every_slot_the_gate_would_not_draft():
+    """Confidences say the first 5 drafts are sure: a gate held at width 1 verifies 1 of them,
+    the same gate with the cut over the whole block verifies all 5 the cut keeps."""
+    run = AcceptanceRun("code", list(range(60)), [5] * 60, confidence=[[0.99] * 5 + [0.01] * 2] * 60)
+    narrow = fixed_width_gate(1)
+    gated = replay_gate(run, COST, 7, narrow(), sure)
+    block = replay_gate(run, COST, 7, narrow(), sure, whole_block=True)
+    assert gated.drafted == gated.accepted == gated.drafting_steps  # one draft a step
+    assert block.accepted == block.drafted > 4 * block.drafting_steps - 5  # five a step, the room permitting
+    assert block.cost == pytest.approx(block.steps * (CURVE[5] + COST.draft), rel=0.2)
+    assert block.speedup > 1.5 * gated.speedup
+
+
+def sure(conf: list[float]) -> int:
+    """A cut that keeps the drafts up to the first below 0.5."""
+    return next((i for i, c in enumerate(conf) if c < 0.5), len(conf))
+
+
+def fixed_width_gate(width: int):
+    """A gate that decides to draft at `width` on every step (its value and reason aside)."""
+    from specflash.drafters.gate import DraftGate, GateDecision
+
+    class Fixed(DraftGate):
+        def decide(self, room: int) -> GateDecision:
+            return GateDecision("on", min(width, room), 1.0, "fixed")
+
+    return lambda: Fixed(CURVE, 7, draft_cost=COST.draft)
+
+
 def test_pooling_sums_domains_and_all():
     runs = [AcceptanceRun("math", list(range(20)), [2] * 20), AcceptanceRun("code", list(range(30)), [0] * 30)]
     pooled = replay_all(runs, lambda r: replay_fixed(r, COST, 2))
