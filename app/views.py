@@ -287,6 +287,20 @@ def lookup_share(steps: Sequence[StepRecord], record: str) -> str:
             f"alone): they have no {record} and are left out here.")
 
 
+def gate_idle_share(steps: Sequence[StepRecord]) -> str:
+    """A sentence for a method's panel: how many decode steps the draft gate sent to the target
+    with no draft, and why, so empty steps in the plot are not read as a fault ("" when none)."""
+    idle = [s.extras["gate"]["state"] for s in steps
+            if s.phase != "prefill" and not s.tokens and s.extras.get("gate", {}).get("state") in ("off", "shadow")]
+    if not idle:
+        return ""
+    off, shadows = idle.count("off"), idle.count("shadow")
+    parts = [f"{off} with drafting off" if off else "", f"{shadows} shadow look{'s' if shadows != 1 else ''} "
+             "(drafted, scored later, not verified)" if shadows else ""]
+    return (f" {len(idle)} decode step{'s' if len(idle) != 1 else ''} verified no draft: the draft gate's choice "
+            f"({', '.join(p for p in parts if p)}; the Step inspector gives its reason for each).")
+
+
 def lookup_note(step: StepRecord) -> str | None:
     """Why a learned method's step has no record of its own drafter: prompt lookup drafted it
     (the method's `lookup` option); None when it did not."""

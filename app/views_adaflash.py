@@ -22,7 +22,7 @@ import plotly.graph_objects as go
 from specflash.drafters.adaflash import AdaFlashConfig
 from specflash.trace import RunRecord, StepRecord
 
-from .views import ORIGINS, STATUS_COLOURS, lookup_note, lookup_share, node_status, token_text
+from .views import ORIGINS, STATUS_COLOURS, gate_idle_share, lookup_note, lookup_share, node_status, token_text
 
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AdaFlashConfig)}
 WHAT_IT_SHOWS = (
@@ -190,7 +190,7 @@ def adaflash_note(run: RunRecord | None) -> str:
     return (f"Cut rule {rules} (what it does is under the plot title). "
             f"Over {len(cuts)} drafted steps: {_sum(cuts, 'verified') + _sum(cuts, 'cut')} tokens drafted, "
             f"{_sum(cuts, 'verified')} verified ({_sum(cuts, 'accepted')} accepted), {_sum(cuts, 'cut')} cut "
-            f"and never verified.{hindsight}{lookup_share(run.steps, 'cut')}")
+            f"and never verified.{hindsight}{lookup_share(run.steps, 'cut')}{gate_idle_share(run.steps)}")
 
 
 def _chip(text: str, colour: str, css_class: str, extra: str = "") -> str:

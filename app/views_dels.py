@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 
 from specflash.trace import RunRecord, StepRecord
 
-from .views import STATUS_COLOURS, lookup_note, lookup_share, node_status, token_text
+from .views import STATUS_COLOURS, gate_idle_share, lookup_note, lookup_share, node_status, token_text
 
 SOURCES = (("long", "long expert (DFlash, whole context)", "#3366cc"),
            ("short", "short expert (local head, recent tokens)", "#ff9900"),
@@ -290,4 +290,4 @@ def dels_note(run: RunRecord | None) -> str:
     alpha, beta = run.config.get("alpha", "α"), run.config.get("beta", "β")
     return (f"DeLS drafted each token as argmax(long + {alpha}·short − {beta}·log prior). "
             "Pick a step below to see, per drafted position, which source won it and what the target said."
-            + lookup_share(run.steps, "DeLS record"))
+            + lookup_share(run.steps, "DeLS record") + gate_idle_share(run.steps))

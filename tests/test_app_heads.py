@@ -196,7 +196,12 @@ def test_adaflash_note_says_what_the_tab_shows_and_sums_the_run():
     note = views_adaflash.adaflash_note(run_of("adaflash", steps))
     assert "Cut rule `cost`" in note
     assert "Over 2 drafted steps: 6 tokens drafted, 3 verified (2 accepted), 3 cut and never verified" in note
-    assert "greedy verification would have accepted 1" in note
+    assert "greedy verification would have accepted 1" in note and "verified no draft" not in note
+    idle = [chain(3, [], 0, {"gate": {"state": "off", "width": 0, "value": 1.0, "reason": "r"}}),
+            chain(4, [], 0, {"gate": {"state": "off", "width": 0, "value": 1.0, "reason": "r"}}),
+            chain(5, [], 0, {"gate": {"state": "shadow", "width": 7, "value": 1.0, "reason": "r"}, "shadow": [4]})]
+    note = views_adaflash.adaflash_note(run_of("adaflash", steps + idle))
+    assert "3 decode steps verified no draft: the draft gate's choice (2 with drafting off, 1 shadow look " in note
 
 
 def test_runner_up_tokens_are_decoded_with_the_step():
