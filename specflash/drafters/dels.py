@@ -32,9 +32,10 @@ _TOP = 3  # alternatives kept in the trace per drafted token
 @dataclass(frozen=True)
 class DeLSConfig(DFlashConfig):
     """alpha and beta default to what scripts/dels_sweep.py chose for the shipped SmolLM2 head on
-    requests no training data holds (the head's README has the table); sweep again for another head."""
+    the dev prompts, which no training data holds (the head's README has the table); sweep again
+    for another head."""
 
-    alpha: float = 0.6
+    alpha: float = 0.45
     beta: float = 0.3
     local_head: str | None = None  # folder of the trained local head (default: the preset's)
     candidates: int = 64  # fuse only the long expert's top tokens (fuse_block); 0 = every token
