@@ -129,11 +129,25 @@ def test_length_head_fit_learns_a_signal():
     blocks = length_head.Blocks(hidden.half(), accepted)
     head = LengthHead(8, bottleneck=16)
     before = length_head.score(head, blocks, 4)
-    losses = length_head.fit(head, blocks, epochs=40, lr=1e-2, batch=64, seed=0, block_size=4)
+    log = length_head.fit(head, blocks, epochs=40, lr=1e-2, batch=64, seed=0, block_size=4)
     after = length_head.score(head, blocks, 4)
     constant = float(((accepted + 1) / 4).var(unbiased=False))  # the best constant predictor's MSE
-    assert losses[-1] < losses[0] and after["mse"] < 0.25 * constant < before["mse"]
-    assert after["mean_abs_len_error"] < 0.5
+    assert log.train[-1] < log.train[0] and after["mse"] < 0.25 * constant < before["mse"]
+    assert after["mean_abs_len_error"] < 0.5 and log.best_epoch == 40 and log.stop == []
+
+
+def test_length_head_keeps_the_epoch_best_on_the_stopping_set():
+    """Labels that are noise on the training blocks and a signal-free stopping set: the head fits
+    the noise epoch by epoch, the stopping set's MSE rises, and the head keeps an early epoch,
+    exactly the weights it had then."""
+    torch.manual_seed(0)
+    fit_on = length_head.Blocks(torch.randn(64, 4, 8).half(), torch.randint(0, 4, (64,)))
+    stop_on = length_head.Blocks(torch.randn(256, 4, 8).half(), torch.randint(0, 4, (256,)))
+    head = LengthHead(8, bottleneck=64)
+    log = length_head.fit(head, fit_on, epochs=60, lr=3e-2, batch=16, seed=0, block_size=4, stop_on=stop_on)
+    assert len(log.stop) == 60 and log.best_epoch == 1 + log.stop.index(min(log.stop)) < 60
+    assert log.stop[-1] > min(log.stop) and log.train[-1] < log.train[log.best_epoch - 1]
+    assert length_head.score(head, stop_on, 4)["mse"] == pytest.approx(min(log.stop))
 
 
 def test_length_head_training_writes_a_loadable_head(opd_run, tiny_dirs, tiny_targets):
@@ -146,6 +160,7 @@ def test_length_head_training_writes_a_loadable_head(opd_run, tiny_dirs, tiny_ta
     assert isinstance(load_length_head(out, target.hidden_size), LengthHead)
     report = json.loads((out / "length_head_report.json").read_text())
     assert report["heldout"]["blocks"] > 0 and len(report["epoch_losses"]) == 3
+    assert len(report["stop_mse"]) == 3 and 1 <= report["best_epoch"] <= 3
     ids = target.tokenizer("def add(a, b):").input_ids
     run = generate(target, ids, method="adaflash", drafter=str(out), options={"rule": "head"}, max_new_tokens=12,
                    stop_on_eos=False)
