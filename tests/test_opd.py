@@ -161,11 +161,19 @@ def test_length_head_training_writes_a_loadable_head(opd_run, tiny_dirs, tiny_ta
     report = json.loads((out / "length_head_report.json").read_text())
     assert report["heldout"]["blocks"] > 0 and len(report["epoch_losses"]) == 3
     assert len(report["stop_mse"]) == 3 and 1 <= report["best_epoch"] <= 3
+    assert report["heldout_previous"] is None  # the drafter it started from had no head
     ids = target.tokenizer("def add(a, b):").input_ids
     run = generate(target, ids, method="adaflash", drafter=str(out), options={"rule": "head"}, max_new_tokens=12,
                    stop_on_eos=False)
     assert run.output_ids == hf_greedy(target, ids, 12)
     assert all(s.extras["adaflash"]["score"] is not None for s in run.steps[1:] if "adaflash" in s.extras)
+    again = tmp / "refit"  # a refit of a folder with a head scores that head on its own held-out blocks
+    assert length_head.main(["--model", str(tiny_dirs["qwen3"]), "--drafter", str(out), "--data", data,
+                             "--export", str(again), "--anchors", "4", "--epochs", "3", "--seed", "1",
+                             "--feature-cache", str(tmp / "features")]) == 0
+    refit = json.loads((again / "length_head_report.json").read_text())
+    assert refit["heldout_previous"]["blocks"] == refit["heldout"]["blocks"] > 0
+    assert refit["heldout_previous"]["mse"] != refit["heldout"]["mse"]
 
 
 def test_acceptance_by_domain(opd_run, tiny_targets):

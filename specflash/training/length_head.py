@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..errors import SpecFlashError
 from ..models.dflash import DFlashDrafter
 from ..models.dflash_io import D2T_FILE
-from ..models.length_head import LengthHead, length_labels, save_length_head, verify_len
+from ..models.length_head import LengthHead, length_labels, load_length_head, save_length_head, verify_len
 from ..models.presets import portable_path
 from ..models.target import TargetModel
 from .data import read_shard
@@ -170,12 +170,15 @@ def train(args: argparse.Namespace) -> dict:
     val = _join([per_seq[i] for i in order[:n_val]])
     stop_on = _join([per_seq[i] for i in order[n_val : n_val + n_stop]]) if n_stop else None
     fit_on = _join([per_seq[i] for i in order[n_val + n_stop :]])
+    previous = load_length_head(drafter_folder(str(args.drafter)), model.spec.hidden_size)
     torch.manual_seed(args.seed)
     head = LengthHead(model.spec.hidden_size, args.bottleneck)
     L = model.spec.block_size
     log = fit(head, fit_on, args.epochs, args.lr, args.batch, args.seed, L, stop_on)
     report = {"train": score(head, fit_on, L), "heldout": score(head, val, L), "epoch_losses": log.train,
               "stop_mse": log.stop, "best_epoch": log.best_epoch,
+              # the head the drafter folder holds already, if any, on the same held-out blocks: what a refit replaces
+              "heldout_previous": None if previous is None else score(previous, val, L),
               "recipe": {k: getattr(args, k) for k in ("anchors", "epochs", "lr", "batch", "bottleneck", "seed", "max_shards")},
               "data": [portable_path(d) for d in args.data], "drafter": portable_path(args.drafter),
               "shards": [p.name for p in shards], "shards_unseen_by_drafter": unseen}
