@@ -105,7 +105,7 @@ def fit(head: LengthHead, train: Blocks, epochs: int, lr: float, batch: int, see
             total += float(loss.detach()) * len(idx)
         log.train.append(total / len(target))
         if stop_on is not None:
-            log.stop.append(score(head, stop_on, block_size)["mse"])
+            log.stop.append(mse(head, stop_on, block_size))
             if log.stop[-1] == min(log.stop):
                 best, log.best_epoch = copy.deepcopy(head.state_dict()), epoch
     if best is None:
@@ -116,12 +116,23 @@ def fit(head: LengthHead, train: Blocks, epochs: int, lr: float, batch: int, see
 
 
 @torch.inference_mode()
+def predict(head: LengthHead, blocks: Blocks) -> torch.Tensor:
+    """The head's r for every block, a chunk at a time: all at once, the 92 k training blocks of
+    seven shards took over 20 GB and were killed."""
+    return torch.cat([head(chunk.float()) for chunk in blocks.hidden.split(4096)])
+
+
+def mse(head: LengthHead, blocks: Blocks, block_size: int) -> float:
+    """MSE of the head's r against the blocks' labels (what `fit` minimises and stops on)."""
+    return float(F.mse_loss(predict(head, blocks), length_labels(blocks.accepted, block_size)))
+
+
+@torch.inference_mode()
 def score(head: LengthHead, blocks: Blocks, block_size: int, rate: float = 1.0, min_len: int = 1) -> dict[str, float]:
     """How well the head predicts: MSE on r, mean |verify_len - (accepted + 1)| in tokens, the
     share of blocks it cuts short of their accepted run (lost acceptance), and the verify length
-    it asks for against the full block. The head reads the blocks a chunk at a time: all at once,
-    the 92 k training blocks of seven shards took over 20 GB and were killed."""
-    r = torch.cat([head(chunk.float()) for chunk in blocks.hidden.split(4096)])
+    it asks for against the full block."""
+    r = predict(head, blocks)
     want = blocks.accepted + 1
     lengths = torch.tensor([verify_len(float(x), block_size, rate, min_len) for x in r])
     return {
