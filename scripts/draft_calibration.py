@@ -33,32 +33,15 @@ from specflash.verify_cost import best_cut
 EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001]
 
 
-@torch.no_grad()
-def reached_slots(drafter, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(confidence, right, slot index) of every slot whose earlier slots were all right."""
-    conf, right, slot = [], [], []
-    for seq, feats, anchors in blocks:
-        hidden = block_forward(drafter, seq, feats.float(), anchors)[:, 1:]
-        labels, valid = block_labels(seq.next_ids, anchors, drafter.spec.block_size)
-        if drafter.draft_ids is None:
-            top, arg = drafter.logits(hidden).float().softmax(-1).max(-1)
-        else:  # a target token outside the draft vocabulary is a slot drafted wrong, as at inference
-            top, arg = drafter.draft_logits(hidden).softmax(-1).max(-1)
-            arg = drafter.draft_ids[arg]
-        ok = (arg == labels) & valid
-        before = torch.cat([torch.ones_like(ok[:, :1]), ok.long().cumprod(1)[:, :-1].bool()], 1)
-        keep = before & valid
-        conf.append(top[keep])
-        right.append(ok[keep].float())
-        slot.append(torch.arange(ok.shape[1]).expand_as(ok)[keep])
-    return torch.cat(conf), torch.cat(right), torch.cat(slot)
+Slots = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per sequence: confidence, right, labelled [n, k]
 
 
 @torch.no_grad()
-def block_runs(drafter, blocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """(confidence [n, k] of every drafted slot, accepted run [n]) of the blocks whose slots all
-    have a label (a block cut off by its sequence's end is left out)."""
-    confs, runs = [], []
+def drafted_slots(drafter, blocks) -> Slots:
+    """Each sequence's blocks drafted once: every slot's confidence (top probability), whether its
+    argmax is the target's token, and whether the slot has a label at all. A target token outside
+    the draft vocabulary is a slot drafted wrong, as at inference."""
+    out = []
     for seq, feats, anchors in blocks:
         hidden = block_forward(drafter, seq, feats.float(), anchors)[:, 1:]
         labels, valid = block_labels(seq.next_ids, anchors, drafter.spec.block_size)
@@ -67,9 +50,30 @@ def block_runs(drafter, blocks) -> tuple[torch.Tensor, torch.Tensor]:
         else:
             top, arg = drafter.draft_logits(hidden).softmax(-1).max(-1)
             arg = drafter.draft_ids[arg]
+        out.append((top, (arg == labels) & valid, valid))
+    return out
+
+
+def reached_slots(slots: Slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(confidence, right, slot index) of every slot whose earlier slots were all right."""
+    conf, right, slot = [], [], []
+    for top, ok, valid in slots:
+        before = torch.cat([torch.ones_like(ok[:, :1]), ok.long().cumprod(1)[:, :-1].bool()], 1)
+        keep = before & valid
+        conf.append(top[keep])
+        right.append(ok[keep].float())
+        slot.append(torch.arange(ok.shape[1]).expand_as(ok)[keep])
+    return torch.cat(conf), torch.cat(right), torch.cat(slot)
+
+
+def block_runs(slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """(confidence [n, k] of every drafted slot, accepted run [n]) of the blocks whose slots all
+    have a label (a block cut off by its sequence's end is left out)."""
+    confs, runs = [], []
+    for top, ok, valid in slots:
         full = valid.all(1)
         confs.append(top[full])
-        runs.append((arg == labels)[full].long().cumprod(1).sum(1))
+        runs.append(ok[full].long().cumprod(1).sum(1))
     return torch.cat(confs), torch.cat(runs)
 
 
@@ -121,7 +125,8 @@ def main() -> None:
     dirs = [Path(d) for d in args.data.split(",") if d]
     blocks = held_out_blocks(target, dirs, args.hold_out.split(","), tuple(drafter.spec.target_layer_ids), None,
                              args.samples, args.anchors)
-    result = table(*reached_slots(drafter, blocks))
+    slots = drafted_slots(drafter, blocks)
+    result = table(*reached_slots(slots))
     for b in result["bins"]:
         print(f"confidence {b['from']:.1f}-{b['to']:.1f}  n {b['n']:5d}  mean {b['confidence']:.3f}  "
               f"accepted {b['accepted']:.3f}")
@@ -129,7 +134,7 @@ def main() -> None:
         print(f"slot {s['slot']}  n {s['n']:5d}  confidence {s['confidence']:.3f}  accepted {s['accepted']:.3f}")
     if args.curve:
         curve = [float(c) for c in args.curve.split(",")]
-        conf, run = block_runs(drafter, blocks)
+        conf, run = block_runs(slots)
         result["cut_values"] = cut_values(conf, run, curve, args.draft_cost, [float(r) for r in args.rates.split(",")])
         print(f"{len(run)} whole blocks, the full chain's tau {1 + float(run.float().mean()):.3f}")
         for name, v in result["cut_values"].items():

@@ -29,7 +29,7 @@ def test_reached_slots_are_the_accepted_run_and_its_first_miss(calibration, setu
     tmp, target, _ = setup
     drafter = load_drafter(tmp / "dflash", target).float().eval()
     blocks = held_out_blocks(target, [tmp / "data"], ["shard-00001.safetensors"], (1,), None, samples=4, anchors=6)
-    conf, right, slot = calibration.reached_slots(drafter, blocks)
+    conf, right, slot = calibration.reached_slots(calibration.drafted_slots(drafter, blocks))
     n = sum(len(a) for _, _, a in blocks)
     accepted = (held_out_acceptance(drafter, blocks, loss_weights(8, 4.0))["val_tau"] - 1) * n
     assert abs(float(right.sum()) - accepted) < 1e-6
@@ -53,9 +53,10 @@ def test_block_runs_are_the_accepted_runs_of_whole_blocks(calibration, setup):  
     tmp, target, _ = setup
     drafter = load_drafter(tmp / "dflash", target).float().eval()
     blocks = held_out_blocks(target, [tmp / "data"], ["shard-00001.safetensors"], (1,), None, samples=4, anchors=6)
-    conf, run = calibration.block_runs(drafter, blocks)
+    slots = calibration.drafted_slots(drafter, blocks)
+    conf, run = calibration.block_runs(slots)
     assert conf.shape == (len(run), 7) and bool(((conf > 0) & (conf <= 1)).all())
-    _, right, slot = calibration.reached_slots(drafter, blocks)
+    _, right, slot = calibration.reached_slots(slots)
     assert int(run.sum()) <= int(right.sum())  # the whole blocks' runs are part of every reached slot's
 
 
