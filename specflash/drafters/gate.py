@@ -139,7 +139,7 @@ class DraftGate:
 
     def value(self, m: int, cost: list[float] | None = None) -> float:
         """Expected committed tokens per unit cost when drafting m tokens."""
-        return chain_value(self.rates(), m, cost or self.cost, self.drafting_cost(m) if m else 0.0)
+        return chain_value(self.rates(), m, cost or self.cost, self.drafting_cost(m))
 
     def drafting_cost(self, m: int) -> float:
         """d(m), the drafter's time for m positions in units of one target step: the fixed
