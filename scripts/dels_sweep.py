@@ -2,9 +2,9 @@
 
 Greedy decoding with the draft gate off, so every setting writes the same tokens and drafts on
 every step; only acceptance changes, and it is deterministic (no timing), so one pass per setting
-suffices. alpha = beta = 0 is exactly dflash. Choose alpha and beta on the tuning requests
-(`--prompts tuning`, the default: training-style requests no harvest of the recipe holds), then
-report on the held-out prompts (`--prompts heldout`) without changing them again. `--candidates`
+suffices. alpha = beta = 0 is exactly dflash. Choose alpha and beta on the dev requests
+(`--prompts dev`, the default: hand-written, so unlike the recipe-made requests the heads trained
+on), then report on the held-out prompts (`--prompts heldout`) without changing them again. `--candidates`
 sweeps how many of the long expert's top tokens are fused (0: all); its cost shows as the median
 drafting time per block (timed, so run it on an otherwise idle machine).
 
@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--alphas", default="0,0.3,0.6,1.0")
     p.add_argument("--betas", default="0,0.3")
     p.add_argument("--candidates", default=None, help="comma list of candidate counts (default: the method's)")
-    p.add_argument("--prompts", choices=PROMPT_SETS, default="tuning")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="dev")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-dtype", choices=DRAFTER_DTYPE_CHOICES, default="auto",

@@ -1,7 +1,7 @@
 """Draft-gate replay: each policy's modeled speed-up over plain decoding, per domain, on recorded
 acceptance (specflash/gate_replay.py says why and what it leaves out).
 
-    python scripts/gate_replay.py --prompts tuning --prompts-per-domain 8 --draft-dtype float32 \
+    python scripts/gate_replay.py --prompts dev --prompts-per-domain 8 --draft-dtype float32 \
         --gate default: --gate slow:smoothing=0.1 --runs-out /tmp/runs.json --out bench-out/gate_replay.json
 
 Recording the acceptance is the slow part (one greedy answer per prompt); `--runs FILE` replays
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default=None, help="DFlash drafter (default: the preset's)")
     p.add_argument("--draft-dtype", choices=DRAFTER_DTYPE_CHOICES, default="float32")
-    p.add_argument("--prompts", choices=PROMPT_SETS, default="tuning")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="dev")
     p.add_argument("--prompts-per-domain", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads while measuring the costs")
