@@ -22,7 +22,13 @@ from specflash.models.dflash import (
     training_block_mask,
 )
 from specflash.models.dflash_io import load_drafter, new_drafter, pick_mask_token, save_drafter
-from specflash.training.dflash_objective import block_labels, make_sequence, sample_anchors, sequence_loss
+from specflash.training.dflash_objective import (
+    acceptance_weights,
+    block_labels,
+    make_sequence,
+    sample_anchors,
+    sequence_loss,
+)
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick brown", "What is 12 * 7?"]
 # (architecture, draft layers, block size, target feature layers)
@@ -138,14 +144,15 @@ def _features(target, model, token_ids):
     return target.forward(token_ids, target.new_cache(), 0, last_only=True).features.clone()
 
 
-def _fit(target, model, token_ids, prompt_len, steps):
+def _fit(target, model, token_ids, prompt_len, steps, tau_weight=0.0):
     feats = _features(target, model, token_ids)
     seq = make_sequence(token_ids, prompt_len, None)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     weights = loss_weights(model.spec.block_size, 2.0)
     losses = []
     for i in range(steps):
-        stats = sequence_loss(model, seq, feats, sample_anchors(seq, 16, torch.Generator().manual_seed(i)), weights)
+        anchors = sample_anchors(seq, 16, torch.Generator().manual_seed(i))
+        stats = sequence_loss(model, seq, feats, anchors, weights, tau_weight=tau_weight)
         loss = stats.loss / stats.weight
         opt.zero_grad()
         loss.backward()
@@ -246,6 +253,42 @@ def test_block_labels_and_anchors():
     labels, valid = block_labels(forced.next_ids, torch.tensor([0, 2]), 3)
     assert labels[valid].tolist() == [20, 21, 22]
     assert loss_weights(4, 2.0).tolist() == pytest.approx([1.0, 0.6065307, 0.3678794])
+
+
+def test_acceptance_weights_give_the_gradient_of_expected_acceptance():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 4, 7, generator=g, requires_grad=True)
+    labels = torch.randint(0, 7, (5, 4), generator=g)
+    reachable = torch.ones(5, 4, dtype=torch.bool)
+    reachable[1, 2] = False  # an undraftable label: nothing after it can be accepted
+    p = logits.softmax(-1).gather(-1, labels[..., None])[..., 0] * reachable
+    expected = p.cumprod(dim=1).sum()
+    (want,) = torch.autograd.grad(-expected, logits)
+    unscaled = float((p.cumprod(dim=1) * torch.arange(1, 5)).sum())  # sum_j W_j = sum_k k P_k: no rescaling
+    w = acceptance_weights(logits, labels, reachable, total=unscaled)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(5, 4)
+    (got,) = torch.autograd.grad((ce * w).sum(), logits)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert w[1, 2:].abs().sum() == 0
+    assert torch.allclose(acceptance_weights(logits, labels, reachable, total=10.0).sum(), torch.tensor(10.0))
+
+
+def test_training_step_with_acceptance_weights_reduces_loss(tiny_targets):
+    target = tiny_targets["llama"]
+    model = random_drafter(target, std=0.02, block=4, feature_layers=(1,)).train()
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    losses = _fit(target, model, ids + hf_greedy(target, ids, 24), len(ids), steps=8, tau_weight=0.5)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("weight", ["-0.5", "1.01"])
+def test_tau_weight_outside_zero_to_one_is_refused(weight, capsys):
+    from specflash.training import dflash
+
+    with pytest.raises(SystemExit) as stop:
+        dflash.parse_args(["--model", "m", "--data", "d", "--tau-weight", weight])
+    assert stop.value.code == 2
+    assert "--tau-weight must be between 0 and 1" in capsys.readouterr().err
 
 
 def test_training_step_reduces_loss(tiny_targets):

@@ -248,7 +248,7 @@ def _step(args, model, opt, batch, weights, progress: Progress, total: int, voca
             width = model.spec.hidden_size
             feats, teacher = feats[:, :-width], Teacher(feats[:, -width:], head_logits, args.soft_labels)
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            stats.append(sequence_loss(model, seq, feats, anchors, weights, vocab, teacher))
+            stats.append(sequence_loss(model, seq, feats, anchors, weights, vocab, teacher, args.tau_weight))
     total_w = sum(s.weight for s in stats)
     if total_w == 0:
         return {}
@@ -408,7 +408,7 @@ def train(args: argparse.Namespace) -> Progress | str:
 
 def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
     """How the drafter was trained, stored in its config.json (ignored by loaders)."""
-    keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed", "init", "draft_vocab", "soft_labels")
+    keep = ("lr", "gamma", "anchors", "seqs_per_step", "warmup", "clip", "seed", "init", "draft_vocab", "soft_labels", "tau_weight")
     if args.init_from:  # the starting folder fixed the initialisation and the draft vocabulary
         keep = tuple(k for k in keep if k not in ("init", "draft_vocab")) + ("init_from",)
     return {"specflash_training": {**{k: _portable(getattr(args, k)) for k in keep},
@@ -462,6 +462,9 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
                    help="weight w of the target's full distribution as a label (0 = hard labels only, the default; "
                         "1 = soft only): slot loss (1 - w) CE(label) + w CE(target distribution), read from the "
                         "target's last layer (stored in harvested shards, computed otherwise)")
+    p.add_argument("--tau-weight", type=float, default=0.0, metavar="W",
+                   help="share of the slot weights given to the expected-acceptance weights (dflash_objective."
+                        "acceptance_weights; 0 = the decay exp(-(k-1)/gamma) alone, the default)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=float, default=0.04, help="fraction of steps")
     p.add_argument("--clip", type=float, default=1.0)
@@ -499,6 +502,8 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
         p.error("--validate-every must be 0 (never) or a number of steps")
     if not 0 <= args.soft_labels <= 1:
         p.error("--soft-labels must be between 0 and 1")
+    if not 0 <= args.tau_weight <= 1:
+        p.error("--tau-weight must be between 0 and 1")
     if args.features_only and args.no_feature_cache:
         p.error("--features-only fills the feature cache; it cannot run with --no-feature-cache")
     args.gamma = args.gamma or args.block_size / 2

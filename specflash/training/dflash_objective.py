@@ -127,12 +127,14 @@ def sequence_loss(
     weights: torch.Tensor,  # [L-1] exp(-(k-1)/gamma)
     vocab: torch.Tensor | None = None,  # [K] token ids the softmax runs over (None = all)
     teacher: Teacher | None = None,
+    tau_weight: float = 0.0,
 ) -> StepStats:
     """Weighted CE (summed, not yet normalised) of all anchored blocks of one sequence. With
     `vocab`, the softmax covers those ids plus this sequence's labels (a restricted head). A
     drafter with a draft vocabulary trains its softmax over exactly that vocabulary; a label
     outside it can never be drafted, so it carries no hard loss and counts as a miss (the soft
-    term still teaches the target's distribution over the draft vocabulary there)."""
+    term still teaches the target's distribution over the draft vocabulary there). `tau_weight`
+    mixes acceptance_weights into the slot weights (0: the decay alone)."""
     device, L, n = features.device, model.spec.block_size, len(anchors)
     hidden = block_forward(model, seq, features, anchors)  # [N, L, H]
     next_ids = seq.next_ids.to(device)
@@ -145,6 +147,8 @@ def sequence_loss(
         labels, columns, reachable = torch.searchsorted(vocab, labels), vocab, valid
         logits = model.logits(hidden[:, 1:], vocab).float()  # [N, L-1, K']
     w = weights.to(device)[None] * reachable  # [N, L-1]
+    if tau_weight:
+        w = (1 - tau_weight) * w + tau_weight * acceptance_weights(logits, labels, reachable, float(w.sum()))
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(n, L - 1)
     loss, total = (ce * w).sum(), float(w.sum())
     if teacher is not None and teacher.weight > 0:
@@ -157,6 +161,25 @@ def sequence_loss(
         slot1 = int(((logits[:, 0].argmax(-1) == labels[:, 0]) & reachable[:, 0]).sum())
         leading = leading_correct(logits, labels, reachable)
     return StepStats(loss, total, slot1, n, int(leading.sum()))
+
+
+def acceptance_weights(logits: torch.Tensor, labels: torch.Tensor, reachable: torch.Tensor,
+                       total: float) -> torch.Tensor:
+    """Slot weights [N, L-1] whose weighted CE has the gradient of the expected acceptance length.
+
+    With p_k the drafter's probability of slot k's label, a block is accepted through slot k
+    with probability P_k = p_1 ... p_k (exactly, when drafts are sampled against a greedy
+    target), so E[tau - 1] = sum_k P_k, and its gradient is sum_j W_j grad log p_j with
+    W_j = sum_{k >= j} P_k. Those W_j (detached) weight each slot by how much acceptance rides
+    on it: slots behind a likely miss, and blocks the drafter cannot get right anyway, count
+    little, where the fixed decay weights every block alike. Scaled to sum to `total`, so a mix
+    with the decay weights keeps the loss's scale."""
+    with torch.no_grad():
+        p = logits.float().softmax(-1).gather(-1, labels[..., None])[..., 0] * reachable
+        reach = p.cumprod(dim=1)
+        tail = reach.flip(1).cumsum(1).flip(1)
+        mass = float(tail.sum())
+        return tail * (total / mass) if mass > 0 else torch.zeros_like(tail)
 
 
 def slot_logits(model: DFlashDrafter, hidden: torch.Tensor, labels: torch.Tensor,
