@@ -13,7 +13,7 @@ from specflash.api import generate
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.errors import CheckpointError, DrafterMismatchError
 from specflash.models.dflash_io import D2T_FILE, load_drafter, new_drafter, save_drafter
-from specflash.training.dflash_objective import draft_labels
+from specflash.training.dflash_objective import draft_labels, leading_correct, slot_logits
 from test_dflash import PROMPTS, make_spec
 
 
@@ -152,3 +152,23 @@ def test_draft_probs_are_the_full_softmax_restricted_to_the_draft_vocabulary(tin
     probs, columns = whole.draft_probs(hidden)
     assert columns is None and probs.shape == (3, target.vocab_size)
     assert argmax_chain(probs, columns)[0] == whole.logits(hidden).argmax(-1).tolist()
+
+
+def test_acceptance_over_draft_columns_equals_the_full_vocabulary_rule(tiny_targets):
+    """Training code scores acceptance over the draft vocabulary's columns (slot_logits): the same
+    runs as the argmax of the -inf-filled full logits the engine's rule amounts to, labels outside
+    the vocabulary included, without building [N, L, V] logits."""
+    target = tiny_targets["qwen3"]
+    ids = spread_ids(target, 25)
+    model = vocab_drafter(target, ids, std=0.5)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(40, 5, target.hidden_size, generator=g)
+    full = model.logits(hidden[:, 1:])
+    labels = full.argmax(-1)  # leading runs of every length, then misses, some labels outside the vocabulary
+    flip = torch.rand(labels.shape, generator=g) < 0.3
+    labels = torch.where(flip, torch.randint(0, target.vocab_size, labels.shape, generator=g), labels)
+    valid = torch.rand(labels.shape, generator=g) < 0.9
+    logits, columns, reachable = slot_logits(model, hidden, labels, valid)
+    got = leading_correct(logits, columns, reachable)
+    assert torch.equal(got, leading_correct(full, labels, valid))
+    assert got.max() > 0 and (~reachable & valid).any()

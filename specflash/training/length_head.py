@@ -37,7 +37,7 @@ from .data import read_shard
 from .dflash import recorded_hold_out, shard_paths
 from .dflash_features import shard_features
 from .entry import run_script
-from .dflash_objective import block_forward, block_labels, leading_correct, make_sequence, sample_anchors
+from .dflash_objective import block_forward, block_labels, leading_correct, make_sequence, sample_anchors, slot_logits
 
 
 @dataclass
@@ -62,7 +62,8 @@ def collect_blocks(target: TargetModel, model: DFlashDrafter, shards: list[Path]
                 continue
             hidden = block_forward(model, seq, f.to(target.device, torch.float32), picks)  # [N, L, H]
             labels, valid = block_labels(seq.next_ids.to(target.device), picks.to(target.device), L)
-            accepted = leading_correct(model.logits(hidden[:, 1:]).float(), labels, valid)
+            logits, labels, reachable = slot_logits(model, hidden, labels, valid)  # draft vocabulary only
+            accepted = leading_correct(logits, labels, reachable)
             out.append(Blocks(hidden.to("cpu", torch.float16), accepted.cpu()))
     return out
 
