@@ -87,6 +87,22 @@ def test_dels_with_a_draft_vocabulary_drafts_inside_it_and_equals_greedy(tiny_ta
         assert any(step.tokens for step in run.steps)
 
 
+@pytest.mark.parametrize("candidates", [0, 3, 8])
+def test_zero_alpha_beta_breaks_ties_as_dflash_does(tiny_targets, candidates):
+    """Drafter logits in bf16 tie at the top often (a few percent of SmolLM2's slots): with the
+    experts off, the fused choice must be DFlash's argmax, the first of the tied tokens."""
+    from specflash.drafters.dels import fuse_block
+
+    target = tiny_targets["qwen3"]
+    g = torch.Generator().manual_seed(2)
+    long = (torch.randn(6, 40, generator=g) * 2).round()  # whole numbers: many ties
+    long[:, [30, 7, 19]] = long.max(dim=1, keepdim=True).values + 1.0  # a three-way tie at the top, in every row
+    fused = fuse_block(long, random_head(target), root=3, alpha=0.0, beta=0.0, vocab=torch.arange(40) * 2 + 1,
+                       candidates=candidates)
+    assert fused["tokens"] == [2 * 7 + 1] * 6 == [2 * int(i) + 1 for i in long.argmax(dim=1)]
+    assert not any(fused["trace"]["flipped"])
+
+
 def test_zero_alpha_beta_is_exactly_dflash(tiny_targets):
     target = tiny_targets["qwen3"]
     model = random_drafter(target, block=8, feature_layers=(1,))

@@ -97,7 +97,9 @@ def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int
                 vocab = vocab.to(row.device)
                 prior = prior[vocab]
         base = row - beta * prior
-        pool = base.topk(candidates).indices if 0 < candidates < base.numel() else None  # indices into base
+        # the pool in index order, so argmax breaks ties as DFlash's does (the first index): with
+        # bf16 drafter logits, ties at the top are common, and topk orders them arbitrarily
+        pool = base.topk(candidates).indices.sort().values if 0 < candidates < base.numel() else None
         index = int if pool is None else (lambda j, pool=pool: int(pool[j]))  # fused position -> base index
         scores = base if pool is None else base[pool]
         if alpha:
