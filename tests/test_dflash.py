@@ -112,6 +112,9 @@ def test_drafter_dtype_choice(tiny_targets, monkeypatch):
     assert target.dtype == torch.float32
     monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: True)
     assert dflash_io.drafter_dtype(target, "auto") == torch.bfloat16
+    monkeypatch.setattr(target, "row_plan", {1: "packed", 2: 2})  # the target runs the packed kernel
+    assert dflash_io.drafter_dtype(target, "auto") == torch.float32  # which the drafter then shares
+    monkeypatch.setattr(target, "row_plan", {})
     monkeypatch.setattr(dflash_io, "bf16_matrix_units", lambda: False)
     assert dflash_io.drafter_dtype(target, "auto") == torch.float32
     assert dflash_io.drafter_dtype(target, "target") == torch.float32

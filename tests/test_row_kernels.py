@@ -1,11 +1,14 @@
-"""Few-row matmul kernels: W @ x^T gives F.linear's numbers up to rounding, installing it copies
-no weight, the choice follows the measured timings (cached), and decoding through it stays
-lossless: every method equals plain greedy decoding on the same runtime, which equals the stock
-kernels' greedy decoding."""
+"""Few-row matmul kernels: W @ x^T and the packed kernel give F.linear's numbers up to rounding
+(the packed kernel the same bits for a row whatever rows share the product), installing them
+copies no weight (the packed kernel adds one packed copy), the choice follows the measured
+timings (cached), and decoding through them stays lossless: every method equals plain greedy
+decoding on the same runtime, which equals the stock kernels' greedy decoding."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -16,18 +19,36 @@ from specflash.api import generate
 from specflash.config import DraftModelConfig, PromptLookupConfig
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
-from specflash.models import row_kernels
+from specflash.models import packed_kernel, row_kernels
 from specflash.verify_cost import cached_verify_cost
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef", "The quick brown fox jumps over the lazy dog. The quick"]
 ALL_ROWS = {n: n for n in range(1, row_kernels.MAX_ROWS + 1)}
 PADDED = {n: max(n, 4) if n <= 4 else 8 if n <= 8 else 16 for n in ALL_ROWS}  # 1-3 -> 4, 5-7 -> 8, 9-15 -> 16
+ALL_PACKED = {n: row_kernels.PACKED for n in ALL_ROWS}
+MIXED = {1: row_kernels.PACKED, 2: 2, 3: 4, 4: 4, 5: row_kernels.PACKED, 9: row_kernels.PACKED}
 
 
-@pytest.mark.parametrize("plan", [ALL_ROWS, PADDED])
+@pytest.fixture(scope="session")
+def packed_built(tmp_path_factory):
+    """The packed kernel, built once for the session (skipped, saying why, with no C++ compiler)."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler on PATH: the packed kernel cannot be built here")
+    assert packed_kernel.load(tmp_path_factory.mktemp("cache")), "the packed kernel failed to build"
+    return True
+
+
+@pytest.fixture(params=["all_rows", "padded", "packed", "mixed"])
+def plan(request):
+    """Each kind of row plan; those with packed rows need the kernel built."""
+    if request.param in ("packed", "mixed"):
+        request.getfixturevalue("packed_built")
+    return {"all_rows": ALL_ROWS, "padded": PADDED, "packed": ALL_PACKED, "mixed": MIXED}[request.param]
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 24), (3, 24), (1, 5, 24), (2, 7, 24), (40, 24)])
-def test_weight_left_product_is_linear_up_to_rounding(shape, bias, plan):
+def test_few_row_products_are_linear_up_to_rounding(shape, bias, plan):
     layer = torch.nn.Linear(24, 40, bias=bias)
     x = torch.randn(*shape)
     expected = F.linear(x, layer.weight, layer.bias)
@@ -58,9 +79,9 @@ def test_measuring_alternates_the_two_ways_at_each_row_count(tiny_dirs, monkeypa
     order = []
     real = row_kernels.install
 
-    def recorded(model, rows):
+    def recorded(model, rows, **kwargs):
         order.append("left" if rows else "stock")
-        return real(model, rows)
+        return real(model, rows, **kwargs)
 
     monkeypatch.setattr(row_kernels, "install", recorded)
     timings = row_kernels.measure(target.model, target.vocab_size, max_rows=3, repeats=2)
@@ -109,9 +130,8 @@ def test_the_kernel_choice_keys_the_verify_cost_cache(tiny_dirs, tmp_path):
     assert len(names) == 3 and any("-wl1.2-" in n for n in names) and any("-wl1p2.2-" in n for n in names)
 
 
-@pytest.mark.parametrize("plan", [ALL_ROWS, PADDED])
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
-def test_decoding_through_the_weight_left_kernels_is_lossless(tiny_dirs, arch, plan):
+def test_decoding_through_the_few_row_kernels_is_lossless(tiny_dirs, arch, plan):
     stock = load_target(tiny_dirs[arch])
     target = load_target(tiny_dirs[arch])
     row_kernels.install(target.model, plan)
@@ -127,20 +147,21 @@ def test_decoding_through_the_weight_left_kernels_is_lossless(tiny_dirs, arch, p
 
 
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
-def test_a_dflash_drafter_loads_with_the_targets_kernels_and_stays_lossless(tiny_dirs, tmp_path, arch):
+def test_a_dflash_drafter_loads_with_the_targets_kernels_and_stays_lossless(tiny_dirs, tmp_path, arch, plan):
     from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, load_dflash_model
     from specflash.models.dflash_io import load_drafter, save_drafter
     from test_draft_vocab import spread_ids, vocab_drafter
 
     stock = load_target(tiny_dirs[arch])
     target = load_target(tiny_dirs[arch])
-    row_kernels.install(target.model, PADDED)
-    target.row_plan = PADDED
+    row_kernels.install(target.model, plan)
+    target.row_plan = MappingProxyType(plan)
     save_drafter(vocab_drafter(target, spread_ids(target, 60), feature_layers=(1, 0)), tmp_path)
-    model, plain = load_dflash_model(target, str(tmp_path), "dflash"), load_drafter(tmp_path, target)
+    model = load_dflash_model(target, str(tmp_path), "dflash", "float32")
+    plain = load_drafter(tmp_path, target)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is row_kernels.RowKernelLinear for m in linears)
-    assert all(m.row_plan == PADDED for m in linears) and model.row_plan == PADDED
+    assert all(m.row_plan == plan for m in linears) and model.row_plan == plan
     hidden = torch.randn(7, target.hidden_size)
     assert torch.allclose(model.draft_logits(hidden), plain.draft_logits(hidden), atol=1e-5, rtol=1e-5)
     drafter = DFlashEngineDrafter(model, DFlashConfig(gate=False))
@@ -149,3 +170,79 @@ def test_a_dflash_drafter_loads_with_the_targets_kernels_and_stays_lossless(tiny
         run = generate(target, ids, max_new_tokens=n, drafter=drafter, stop_on_eos=False)
         assert run.output_ids == hf_greedy(stock, ids, n)
         assert sum(len(s.tokens) for s in run.steps) > 0
+
+
+@pytest.mark.parametrize("n_out, k", [(64, 24), (40, 13), (7, 24), (96, 50)])
+def test_packing_keeps_every_weight_in_panels_of_32_rows(n_out, k):
+    weight = torch.randn(n_out, k)
+    panels = packed_kernel.pack(weight)
+    assert panels.shape == (-(-n_out // 32), k, 32) and panels.is_contiguous()
+    rows = panels.transpose(1, 2).reshape(-1, k)
+    assert torch.equal(rows[:n_out], weight) and not rows[n_out:].any()
+
+
+@pytest.mark.parametrize("n_out, k", [(64, 24), (40, 13), (7, 24), (96, 50)])
+def test_the_packed_kernel_gives_each_row_the_same_bits_alone_or_beside_others(packed_built, n_out, k):
+    """Each output is one chain over k, whatever rows share the product (up to 12 per tile, more
+    in chunks): a verified row reproduces the plain step's product exactly."""
+    weight, bias = torch.randn(n_out, k), torch.randn(n_out)
+    panels = packed_kernel.pack(weight)
+    x = torch.randn(30, k)
+    together = packed_kernel.packed_linear(x, panels, n_out, bias)
+    assert torch.allclose(together, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    for i in range(30):
+        assert torch.equal(packed_kernel.packed_linear(x[i : i + 1], panels, n_out, bias)[0], together[i])
+    for rows in (2, 5, 12, 13, 25):
+        assert torch.equal(packed_kernel.packed_linear(x[:rows], panels, n_out, bias), together[:rows])
+
+
+def test_installing_a_packed_plan_adds_panels_and_follows_weight_updates(packed_built):
+    layer = torch.nn.Linear(24, 40, bias=False)
+    weight = layer.weight
+    row_kernels.install(layer, ALL_PACKED)
+    assert layer.weight is weight and layer.packed is not None
+    x = torch.randn(3, 24)
+    assert torch.allclose(layer(x), F.linear(x, weight), atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # a drafter in training: the panels must follow
+    assert torch.allclose(layer(x), F.linear(x, layer.weight), atol=1e-5)
+    row_kernels.install(layer, PADDED)
+    assert layer.packed is None  # a plan without packed rows frees the copy
+
+
+def test_a_packed_row_without_panels_falls_back_to_the_stock_product():
+    weight, x = torch.randn(40, 24), torch.randn(2, 24)
+    assert torch.equal(row_kernels.linear(x, weight, None, ALL_PACKED), F.linear(x, weight))
+
+
+def test_choice_takes_the_packed_kernel_where_it_is_fastest():
+    timings = {"stock": [1.0, 1.6, 2.0, 1.5], "weight_left": [0.6, 0.84, 1.97, 1.2], "packed": [0.5, 0.9, 1.0, 2.0]}
+    packed = row_kernels.PACKED
+    assert row_kernels.choose(timings) == {1: packed, 2: 2, 3: packed, 4: 4}
+    assert row_kernels.tag(row_kernels.choose(timings)) == f"-wl2.4-pk1.3-{row_kernels.KERNELS}"
+    assert row_kernels.tag(ALL_PACKED).startswith("-pk1.2.3.")
+
+
+def test_measuring_alternates_three_ways_when_the_packed_kernel_is_built(packed_built, tiny_dirs, monkeypatch):
+    target = load_target(tiny_dirs["llama"])
+    order = []
+    real = row_kernels.install
+
+    def recorded(model, rows, **kwargs):
+        order.append("packed" if row_kernels.PACKED in rows.values() else "left" if rows else "stock")
+        return real(model, rows, **kwargs)
+
+    monkeypatch.setattr(row_kernels, "install", recorded)
+    timings = row_kernels.measure(target.model, target.vocab_size, max_rows=2, repeats=1, packed=True)
+    assert order == ["stock", "left", "packed"] * (2 * (1 + 1))
+    assert sorted(timings) == ["packed", "stock", "weight_left"] and len(timings["packed"]) == 2
+
+
+def test_a_machine_that_cannot_build_the_kernel_says_why_and_keeps_pytorchs(tiny_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(packed_kernel, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    target = load_target(tiny_dirs["llama"])
+    plan = target.tune_row_kernels(tmp_path)
+    assert "packed few-row kernel is unavailable" in capsys.readouterr().err
+    (saved,) = (tmp_path / "row-kernels").iterdir()
+    assert "packed" not in json.loads(saved.read_text()) and row_kernels.PACKED not in plan.values()

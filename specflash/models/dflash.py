@@ -314,13 +314,14 @@ class DFlashDrafter(nn.Module):
         weight, dtype = self._borrowed[1].weight, self.compute_dtype
         bias = getattr(self._borrowed[1], "bias", None)
         bias = None if bias is None else bias[self.draft_ids].to(dtype)
-        key = (weight.data_ptr(), dtype, weight.device, self.int8_head)
+        key = (weight.data_ptr(), dtype, weight.device, self.int8_head, id(self.row_plan))
         if getattr(self, "_draft_head", (None,))[0] != key:
             rows = weight[self.draft_ids].detach().to(dtype)
-            self._draft_head = (key, rows, Int8Linear(rows, bias) if self.int8_head else None)
-        rows, int8 = self._draft_head[1:]
+            self._draft_head = (key, rows, Int8Linear(rows, bias) if self.int8_head else None,
+                                row_kernels.panels_for(rows, self.row_plan))
+        rows, int8, panels = self._draft_head[1:]
         if int8 is None:
-            return row_kernels.linear(hidden.to(dtype), rows, bias, self.row_plan).float()
+            return row_kernels.linear(hidden.to(dtype), rows, bias, self.row_plan, panels).float()
         # the int8 head ranks the vocabulary; its leaders are recomputed in float, so the drafted
         # argmax is the float head's (int8 alone cost a little acceptance, docs/dflash.md)
         logits = int8(hidden).float()

@@ -17,6 +17,12 @@ than 3, 8 less than 7, and 16 rows 87 ms against 147 ms for 15. So a row count m
 zero rows up to a larger one that measured clearly faster; the plan maps each row count to the
 rows it computes (1 is always padded to at least 2: a GEMM needs two rows).
 
+A third way, where this machine can build it: the packed kernel (packed_kernel.py), which
+streams a copy of each weight packed in panels and costs, for up to 12 rows, about what one row
+costs; its products are also the same bits for a row whatever rows share the step. It is timed
+beside the other two and chosen per row count like them, and its copies (as much memory again
+as the linear weights) are made only for models whose weights take under a quarter of the RAM.
+
 Only the kernel changes: each output row is the same dot products, summed in another order, so
 logits differ from the stock path by float rounding (about 1e-4 on SmolLM2), as they already
 do between a one-row and a many-row forward. Installed on CPU float32 models only.
@@ -25,6 +31,7 @@ do between a one-row and a many-row forward. Installed on CPU float32 models onl
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,31 +40,56 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
+from . import packed_kernel
+
 MAX_ROWS = 16  # above this a forward is a prefill or a batch, where the stock GEMM is right
 METHOD = "alternating"  # names how `measure` times, in its cache files: older ones are measured again
-KERNELS = "v3"  # names the weight-left kernel's code (v2: row-major output, v3: padded rows) in timing caches
+KERNELS = "v4"  # names the kernels' code in timing caches (v2: row-major output, v3: padded rows, v4: packed)
+PACKED = "packed"  # a row plan's value for the packed kernel
 
-
-RowPlan = Mapping[int, int]  # row count -> the rows its products compute as W @ x^T (>= it); absent: stock
+RowPlan = Mapping[int, "int | str"]  # row count -> rows computed as W @ x^T (>= it), or PACKED; absent: stock
 STOCK: RowPlan = MappingProxyType({})
 
 
 class RowKernelLinear(torch.nn.Linear):
-    """nn.Linear that follows a row plan (shared by all layers of one model)."""
+    """nn.Linear that follows a row plan (shared by all layers of one model), with the packed
+    copy of its weight when the plan uses the packed kernel."""
 
     row_plan: RowPlan = STOCK
+    uses_packed = False
+    packed: tuple[tuple[int, int], torch.Tensor] | None = None  # ((data_ptr, version) packed from, panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.row_plan)
+        return linear(x, self.weight, self.bias, self.row_plan, self.panels() if self.uses_packed else None)
+
+    def panels(self) -> torch.Tensor:
+        """The packed weight, packed again if the weight changed since (a drafter being trained)."""
+        source = (self.weight.data_ptr(), _version(self.weight))
+        if self.packed is None or self.packed[0] != source:
+            self.packed = (source, packed_kernel.pack(self.weight))
+        return self.packed[1]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RowPlan) -> torch.Tensor:
-    """F.linear, computed as W @ x^T over zero-padded rows where `plan` says so."""
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place update count (0 for inference tensors, which are never updated)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return 0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RowPlan,
+           panels: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, computed as W @ x^T over zero-padded rows, or from the packed `panels` of W,
+    where `plan` says so (stock where it says packed but no panels are given)."""
     rows = x.numel() // x.shape[-1]
-    if rows not in plan:
+    way = plan.get(rows)
+    if way == PACKED and panels is not None:
+        return packed_kernel.packed_linear(x, panels, weight.shape[0], bias)
+    if way is None or way == PACKED:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    padded = max(plan[rows], 2)  # a GEMM needs two rows
+    padded = max(way, 2)  # a GEMM needs two rows
     if padded > rows:
         flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[-1])])
     # row-major again: elementwise ops keep their input's layout, so a transposed result would
@@ -69,23 +101,57 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def install(model: torch.nn.Module, plan: RowPlan) -> int:
+def panels_for(weight: torch.Tensor, plan: RowPlan) -> torch.Tensor | None:
+    """The packed copy of a weight used outside nn.Linear (a drafter's draft-vocabulary head),
+    where `plan` uses the packed kernel and the weight is CPU float32; else None."""
+    uses = PACKED in plan.values() and weight.device.type == "cpu" and weight.dtype == torch.float32
+    return packed_kernel.pack(weight) if uses else None
+
+
+def install(model: torch.nn.Module, plan: RowPlan, keep_panels: bool = False) -> int:
     """Route the model's plain nn.Linear layers through RowKernelLinear with this plan; returns
-    how many layers it covers. The weights are not copied."""
+    how many layers it covers. The weights are not copied; a plan with packed rows adds each
+    layer's packed copy (made once), which a plan without them frees unless `keep_panels`
+    (`measure`, switching plans back and forth)."""
     layers = [m for m in model.modules() if type(m) in (torch.nn.Linear, RowKernelLinear)]
     frozen = MappingProxyType(dict(plan))
+    uses_packed = PACKED in frozen.values()
     for layer in layers:
         layer.__class__ = RowKernelLinear
-        layer.row_plan = frozen
+        layer.row_plan, layer.uses_packed = frozen, uses_packed
+        if uses_packed:
+            layer.panels()
+        elif not keep_panels:
+            layer.packed = None
     return len(layers)
 
 
 def tag(plan: RowPlan) -> str:
-    """Names a plan in file names, "-wl1.2.3p4-<KERNELS>" (n, or n padded to m as "npm"; "" when stock)."""
+    """Names a plan in file names, "-wl1.2.3p4-pk5.6-<KERNELS>" (n, or n padded to m as "npm", for
+    W @ x^T; the packed kernel's rows after "pk"; "" when stock)."""
     if not plan:
         return ""
-    rows = ".".join(str(n) if plan[n] == n else f"{n}p{plan[n]}" for n in sorted(plan))
-    return f"-wl{rows}-{KERNELS}"
+    left = ".".join(str(n) if plan[n] == n else f"{n}p{plan[n]}" for n in sorted(plan) if plan[n] != PACKED)
+    packed = ".".join(str(n) for n in sorted(plan) if plan[n] == PACKED)
+    return "".join((f"-wl{left}" if left else "", f"-pk{packed}" if packed else "", f"-{KERNELS}"))
+
+
+def packed_usable(model: torch.nn.Module, cache_dir: Path | None) -> bool:
+    """Whether the packed kernel is loaded (built into `cache_dir` if need be) and a packed copy
+    of the model's linear weights takes under a quarter of the machine's RAM."""
+    from .acquire import default_cache_dir
+
+    return packed_fits(model) and packed_kernel.load(Path(cache_dir) if cache_dir else default_cache_dir())
+
+
+def packed_fits(model: torch.nn.Module) -> bool:
+    """Whether a packed copy of the linear weights takes under a quarter of the machine's RAM."""
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return weights < ram / 4
 
 
 def applies(model: torch.nn.Module) -> bool:
@@ -96,9 +162,10 @@ def applies(model: torch.nn.Module) -> bool:
 
 @torch.inference_mode()
 def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, repeats: int = 9,
-            prefix_len: int = 64) -> dict[str, list[float]]:
+            prefix_len: int = 64, packed: bool = False) -> dict[str, list[float]]:
     """Seconds of a forward of n = 1..max_rows tokens on top of a `prefix_len` cache, each way
-    (medians over `repeats`, after one warm-up), as {"stock": [...], "weight_left": [...]}.
+    (medians over `repeats`, after one warm-up), as {"stock": [...], "weight_left": [...]}, and
+    "packed": [...] with `packed` (the kernel loaded: packed_kernel.load).
 
     The two ways alternate forward by forward at each row count, so a change in the machine's
     load while measuring weighs on both alike. Timed one way for every row count and then the
@@ -111,6 +178,8 @@ def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, r
     device = next(model.parameters()).device
     prefix = torch.tensor([[(10 + i) % vocab_size for i in range(prefix_len)]], device=device)
     ways = {"stock": STOCK, "weight_left": {n: n for n in range(1, max_rows + 1)}}
+    if packed:
+        ways["packed"] = {n: PACKED for n in range(1, max_rows + 1)}
     cache = DynamicCache()
     model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
     result: dict[str, list[float]] = {name: [] for name in ways}
@@ -120,7 +189,7 @@ def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, r
         times: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(repeats + 1):
             for name, rows in ways.items():
-                install(model, rows)
+                install(model, rows, keep_panels=True)
                 t0 = time.perf_counter()
                 model(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
                 times[name].append(time.perf_counter() - t0)
@@ -132,16 +201,20 @@ def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, r
 
 
 def choose(timings: dict[str, list[float]], margin: float = 0.95) -> RowPlan:
-    """For each row count n, W @ x^T where it took under `margin` of the stock time, over the
-    rows m >= n whose weight-left forward was fastest, padding only where that was under `margin`
-    of n's own time (noise stays stock, and unpadded)."""
-    stock, left = timings["stock"], timings["weight_left"]
-    plan = {}
+    """For each row count n, the faster of W @ x^T (over the rows m >= n whose weight-left
+    forward was fastest, padding only where that was under `margin` of n's own time) and the
+    packed kernel (when timed), where it took under `margin` of the stock time (noise stays
+    stock, and unpadded)."""
+    stock, left, packed = timings["stock"], timings["weight_left"], timings.get("packed")
+    plan: dict[int, int | str] = {}
     for n in range(1, len(stock) + 1):
         m = min(range(n, len(left) + 1), key=lambda r: (left[r - 1], r))
         m = m if left[m - 1] < margin * left[n - 1] else n
-        if left[m - 1] < margin * stock[n - 1]:
-            plan[n] = m
+        way, seconds = m, left[m - 1]
+        if packed is not None and packed[n - 1] <= seconds:
+            way, seconds = PACKED, packed[n - 1]
+        if seconds < margin * stock[n - 1]:
+            plan[n] = way
     return MappingProxyType(plan)
 
 
@@ -153,10 +226,12 @@ def tune(model: torch.nn.Module, vocab_size: int, key: str, cache_dir: Path | No
     if path is not None and path.exists():
         timings = json.loads(path.read_text())
     else:
-        timings = measure(model, vocab_size)
+        timings = measure(model, vocab_size, packed=packed_usable(model, cache_dir))
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(timings))
+    if "packed" in timings and not packed_usable(model, cache_dir):  # timed on a run that could build it
+        timings = {way: seconds for way, seconds in timings.items() if way != "packed"}
     chosen = choose(timings)
     install(model, chosen)
     return chosen
