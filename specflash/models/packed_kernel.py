@@ -8,7 +8,7 @@ of up to 12 rows costs about what one row costs (SmolLM2-135M's products, one th
 docs/dflash.md), which makes verifying a draft almost free next to the plain step.
 
 The source is compiled with the host's compiler for the host's CPU (`-march=native`) into the
-cache (`kernels/`), keyed by the source, the torch build and the CPU, with OpenMP so that
+cache (`kernels/`), keyed by the source, the flags, the torch build and the CPU, with OpenMP so that
 `at::parallel_for` splits the panels over torch's threads (without it the header runs them on one
 thread: 11.0 against 5.5 ms for 453 MB of weights on two threads here), and loaded as the torch op
 `torch.ops.specflash_rows.packed_linear`. Where there is no compiler, or it fails, `load` says why
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 PANEL = 32  # output rows per panel: packed_rows.cpp's PANEL
 SOURCE = Path(__file__).with_name("packed_rows.cpp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=gnu++17", "-shared", "-fPIC")
 
 _state: dict[str, object] = {}
 
@@ -59,7 +60,8 @@ def _cpu_fingerprint() -> str:
 
 def _library_name() -> str:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_fingerprint().encode(), sys.version.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
+                 _cpu_fingerprint().encode(), sys.version.encode()):
         key.update(part)
     return f"packed_rows-{key.hexdigest()[:16]}.so"
 
@@ -75,8 +77,7 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
-        command = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=gnu++17", "-shared", "-fPIC",
-                   f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(SOURCE),
+        command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(SOURCE),
                    "-o", str(built), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:

@@ -44,7 +44,7 @@ from . import packed_kernel
 
 MAX_ROWS = 16  # above this a forward is a prefill or a batch, where the stock GEMM is right
 METHOD = "alternating"  # names how `measure` times, in its cache files: older ones are measured again
-KERNELS = "v4"  # names the kernels' code in timing caches (v2: row-major output, v3: padded rows, v4: packed)
+KERNELS = "v5"  # names the kernels' code in timing caches (v2: row-major output, v3: padded rows, v4: packed, v5: packed on all threads)
 PACKED = "packed"  # a row plan's value for the packed kernel
 
 RowPlan = Mapping[int, "int | str"]  # row count -> rows computed as W @ x^T (>= it), or PACKED; absent: stock
