@@ -284,14 +284,15 @@ def test_training_step_with_acceptance_weights_reduces_loss(tiny_targets):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("weight", ["-0.5", "1.01"])
-def test_tau_weight_outside_zero_to_one_is_refused(weight, capsys):
+@pytest.mark.parametrize("flag, weight", [("--tau-weight", "-0.5"), ("--tau-weight", "1.01"),
+                                          ("--soft-labels", "-0.1"), ("--soft-labels", "1.5")])
+def test_loss_weights_outside_zero_to_one_are_refused(flag, weight, capsys):
     from specflash.training import dflash
 
     with pytest.raises(SystemExit) as stop:
-        dflash.parse_args(["--model", "m", "--data", "d", "--tau-weight", weight])
+        dflash.parse_args(["--model", "m", "--data", "d", flag, weight])
     assert stop.value.code == 2
-    assert "--tau-weight must be between 0 and 1" in capsys.readouterr().err
+    assert f"{flag} must be between 0 and 1" in capsys.readouterr().err
 
 
 def test_training_step_reduces_loss(tiny_targets):
