@@ -102,4 +102,3 @@ def test_trainer_with_soft_labels_learns_and_records_the_weight(setup, tmp_path)
     assert last < first
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["specflash_training"]["soft_labels"] == 1.0
-
