@@ -210,6 +210,20 @@ def test_installing_a_packed_plan_adds_panels_and_follows_weight_updates(packed_
     assert layer.packed is None  # a plan without packed rows frees the copy
 
 
+def test_a_layer_in_training_keeps_its_gradients_under_a_packed_plan(packed_built):
+    """The packed kernel has no backward: where autograd records, the product is PyTorch's."""
+    layer = torch.nn.Linear(24, 40)
+    reference = torch.nn.Linear(24, 40)
+    reference.load_state_dict(layer.state_dict())
+    row_kernels.install(layer, ALL_PACKED)
+    x = torch.randn(3, 24)
+    layer(x).square().sum().backward()
+    F.linear(x, reference.weight, reference.bias).square().sum().backward()
+    assert torch.allclose(layer.weight.grad, reference.weight.grad) and torch.allclose(layer.bias.grad, reference.bias.grad)
+    with torch.no_grad():
+        assert torch.allclose(layer(x), F.linear(x, reference.weight, reference.bias), atol=1e-5)
+
+
 def test_a_packed_row_without_panels_falls_back_to_the_stock_product():
     weight, x = torch.randn(40, 24), torch.randn(2, 24)
     assert torch.equal(row_kernels.linear(x, weight, None, ALL_PACKED), F.linear(x, weight))
