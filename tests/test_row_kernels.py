@@ -260,3 +260,18 @@ def test_a_machine_that_cannot_build_the_kernel_says_why_and_keeps_pytorchs(tiny
     assert "packed few-row kernel is unavailable" in capsys.readouterr().err
     (saved,) = (tmp_path / "row-kernels").iterdir()
     assert "packed" not in json.loads(saved.read_text()) and row_kernels.PACKED not in plan.values()
+
+
+def test_packed_copies_are_made_only_where_they_fit_in_memory(monkeypatch, tmp_path):
+    layer = torch.nn.Linear(64, 64)  # 16 kB of weights
+    unlimited, limit = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    unlimited.write_text("max\n")
+    monkeypatch.setattr(row_kernels, "MEMORY_LIMITS", (str(unlimited), str(tmp_path / "absent")))
+    monkeypatch.setattr(row_kernels.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 1 << 20)
+    assert row_kernels.packed_fits(layer)  # 4 GB of RAM, no container limit
+    limit.write_text("40000\n")
+    monkeypatch.setattr(row_kernels, "MEMORY_LIMITS", (str(unlimited), str(limit)))
+    assert not row_kernels.packed_fits(layer)  # a 40 kB container: the copy would take over a quarter
+    monkeypatch.setattr(row_kernels, "MEMORY_LIMITS", ())
+    monkeypatch.setattr(row_kernels.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 10)
+    assert not row_kernels.packed_fits(layer)  # 40 kB of RAM

@@ -46,6 +46,7 @@ MAX_ROWS = 16  # above this a forward is a prefill or a batch, where the stock G
 METHOD = "alternating"  # names how `measure` times, in its cache files: older ones are measured again
 KERNELS = "v5"  # names the kernels' code in timing caches (v2: row-major output, v3: padded rows, v4: packed, v5: packed on all threads)
 PACKED = "packed"  # a row plan's value for the packed kernel
+MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
 
 RowPlan = Mapping[int, "int | str"]  # row count -> rows computed as W @ x^T (>= it), or PACKED; absent: stock
 STOCK: RowPlan = MappingProxyType({})
@@ -147,12 +148,18 @@ def packed_usable(model: torch.nn.Module, cache_dir: Path | None) -> bool:
 
 
 def packed_fits(model: torch.nn.Module) -> bool:
-    """Whether a packed copy of the linear weights takes under a quarter of the machine's RAM."""
+    """Whether a packed copy of the linear weights takes under a quarter of the memory this
+    process may use: the machine's RAM, or a container's smaller limit (a Space's cgroup)."""
     weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return False
+    for limit in MEMORY_LIMITS:
+        try:
+            ram = min(ram, int(Path(limit).read_text().strip()))
+        except (OSError, ValueError):  # absent, or "max": no limit there
+            continue
     return weights < ram / 4
 
 
