@@ -25,7 +25,7 @@ from specflash.verify_cost import cached_verify_cost
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef", "The quick brown fox jumps over the lazy dog. The quick"]
 ALL_ROWS = {n: n for n in range(1, row_kernels.MAX_ROWS + 1)}
 PADDED = {n: max(n, 4) if n <= 4 else 8 if n <= 8 else 16 for n in ALL_ROWS}  # 1-3 -> 4, 5-7 -> 8, 9-15 -> 16
-ALL_PACKED = {n: row_kernels.PACKED for n in ALL_ROWS}
+ALL_PACKED = {n: row_kernels.PACKED for n in range(1, row_kernels.WIDE_ROWS[-1] + 1)}  # prefills too
 MIXED = {1: row_kernels.PACKED, 2: 2, 3: 4, 4: 4, 5: row_kernels.PACKED, 9: row_kernels.PACKED}
 
 
@@ -234,7 +234,20 @@ def test_choice_takes_the_packed_kernel_where_it_is_fastest():
     packed = row_kernels.PACKED
     assert row_kernels.choose(timings) == {1: packed, 2: 2, 3: packed, 4: 4}
     assert row_kernels.tag(row_kernels.choose(timings)) == f"-wl2.4-pk1.3-{row_kernels.KERNELS}"
-    assert row_kernels.tag(ALL_PACKED).startswith("-pk1.2.3.")
+    assert row_kernels.tag(ALL_PACKED) == f"-pk1-{row_kernels.WIDE_ROWS[-1]}-{row_kernels.KERNELS}"
+    assert row_kernels.tag({1: 1, 2: row_kernels.PACKED, 3: row_kernels.PACKED, 5: row_kernels.PACKED}) == \
+        f"-wl1-pk2-3.5-{row_kernels.KERNELS}"
+
+
+def test_each_wide_row_count_decides_for_the_counts_up_to_it():
+    """Above the few rows only a handful of widths are timed; each covers the counts from the one
+    below it, and only a clear win takes the packed kernel."""
+    few = {"stock": [1.0, 1.0], "weight_left": [2.0, 2.0], "packed": [0.5, 0.5]}
+    wide = {"wide_rows": [4, 8, 16], "wide_stock": [1.0, 1.0, 1.0], "wide_packed": [0.5, 0.97, 0.5]}
+    plan = row_kernels.choose(few | wide)
+    packed = row_kernels.PACKED
+    assert plan == {1: packed, 2: packed, 3: packed, 4: packed, **dict.fromkeys(range(9, 17), packed)}
+    assert 5 not in plan and 17 not in plan  # 5-8: within noise at 8, stock; past the widest timed: stock
 
 
 def test_measuring_alternates_three_ways_when_the_packed_kernel_is_built(packed_built, tiny_dirs, monkeypatch):
@@ -247,9 +260,10 @@ def test_measuring_alternates_three_ways_when_the_packed_kernel_is_built(packed_
         return real(model, rows, **kwargs)
 
     monkeypatch.setattr(row_kernels, "install", recorded)
-    timings = row_kernels.measure(target.model, target.vocab_size, max_rows=2, repeats=1, packed=True)
-    assert order == ["stock", "left", "packed"] * (2 * (1 + 1))
-    assert sorted(timings) == ["packed", "stock", "weight_left"] and len(timings["packed"]) == 2
+    timings = row_kernels.measure(target.model, target.vocab_size, max_rows=2, repeats=1, packed=True, wide=(4, 6))
+    assert order == ["stock", "left", "packed"] * (2 * (1 + 1)) + ["stock", "packed"] * (2 * (2 + 1))
+    assert sorted(timings) == ["packed", "stock", "weight_left", "wide_packed", "wide_rows", "wide_stock"]
+    assert len(timings["packed"]) == 2 and timings["wide_rows"] == [4, 6] and len(timings["wide_packed"]) == 2
 
 
 def test_a_machine_that_cannot_build_the_kernel_says_why_and_keeps_pytorchs(tiny_dirs, tmp_path, monkeypatch, capsys):

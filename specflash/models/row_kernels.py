@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
@@ -42,9 +42,11 @@ import torch.nn.functional as F
 
 from . import packed_kernel
 
-MAX_ROWS = 16  # above this a forward is a prefill or a batch, where the stock GEMM is right
+MAX_ROWS = 16  # each row count up to this is timed every way (a decoding step's forwards)
+WIDE_ROWS = (32, 64, 128, 256)  # wider forwards (a prefill, a PTD tree, a batch), timed stock vs packed
 METHOD = "alternating"  # names how `measure` times, in its cache files: older ones are measured again
-KERNELS = "v5"  # names the kernels' code in timing caches (v2: row-major output, v3: padded rows, v4: packed, v5: packed on all threads)
+KERNELS = "v6"  # names the kernels' code in timing caches (v2: row-major output, v3: padded rows, v4: packed,
+# v5: packed on all threads, v6: wide row counts)
 PACKED = "packed"  # a row plan's value for the packed kernel
 MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
 
@@ -130,13 +132,24 @@ def install(model: torch.nn.Module, plan: RowPlan, keep_panels: bool = False) ->
 
 
 def tag(plan: RowPlan) -> str:
-    """Names a plan in file names, "-wl1.2.3p4-pk5.6-<KERNELS>" (n, or n padded to m as "npm", for
-    W @ x^T; the packed kernel's rows after "pk"; "" when stock)."""
+    """Names a plan in file names, "-wl1.2.3p4-pk5.7-9-<KERNELS>" (n, or n padded to m as "npm",
+    for W @ x^T; the packed kernel's rows after "pk", runs as "a-b"; "" when stock)."""
     if not plan:
         return ""
     left = ".".join(str(n) if plan[n] == n else f"{n}p{plan[n]}" for n in sorted(plan) if plan[n] != PACKED)
-    packed = ".".join(str(n) for n in sorted(plan) if plan[n] == PACKED)
+    packed = ".".join(_runs(sorted(n for n in plan if plan[n] == PACKED)))
     return "".join((f"-wl{left}" if left else "", f"-pk{packed}" if packed else "", f"-{KERNELS}"))
+
+
+def _runs(numbers: list[int]) -> list[str]:
+    """Sorted integers as runs: [1, 2, 3, 5] -> ["1-3", "5"]."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return [str(a) if a == b else f"{a}-{b}" for a, b in runs]
 
 
 def packed_usable(model: torch.nn.Module, cache_dir: Path | None) -> bool:
@@ -171,13 +184,15 @@ def applies(model: torch.nn.Module) -> bool:
 
 @torch.inference_mode()
 def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, repeats: int = 9,
-            prefix_len: int = 64, packed: bool = False) -> dict[str, list[float]]:
+            prefix_len: int = 64, packed: bool = False, wide: Sequence[int] = WIDE_ROWS) -> dict[str, list]:
     """Seconds of a forward of n = 1..max_rows tokens on top of a `prefix_len` cache, each way
     (medians over `repeats`, after one warm-up), as {"stock": [...], "weight_left": [...]}, and
-    "packed": [...] with `packed` (the kernel loaded: packed_kernel.load).
+    with `packed` (the kernel loaded: packed_kernel.load) "packed": [...] plus, for the wider
+    forwards of a prefill, a PTD tree or a batch, stock and packed at the row counts `wide`
+    ("wide_rows", "wide_stock", "wide_packed"; medians of fewer repeats, these take longer).
 
-    The two ways alternate forward by forward at each row count, so a change in the machine's
-    load while measuring weighs on both alike. Timed one way for every row count and then the
+    The ways alternate forward by forward at each row count, so a change in the machine's
+    load while measuring weighs on all alike. Timed one way for every row count and then the
     other, under a background job on the 2-core CPU, the stock kernel looked faster at 5 and 7
     rows; in decoding, steps verifying 5 and 7 tokens then took 94 and 113 ms, against 77 and 96
     ms with the other kernel (SmolLM2-135M, 2 threads). Medians of 9 because a quiet machine
@@ -186,34 +201,44 @@ def measure(model: torch.nn.Module, vocab_size: int, max_rows: int = MAX_ROWS, r
 
     device = next(model.parameters()).device
     prefix = torch.tensor([[(10 + i) % vocab_size for i in range(prefix_len)]], device=device)
-    ways = {"stock": STOCK, "weight_left": {n: n for n in range(1, max_rows + 1)}}
-    if packed:
-        ways["packed"] = {n: PACKED for n in range(1, max_rows + 1)}
     cache = DynamicCache()
     model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-    result: dict[str, list[float]] = {name: [] for name in ways}
-    for n in range(1, max_rows + 1):
-        block = torch.tensor([[(20 + i) % vocab_size for i in range(n)]], device=device)
-        positions = torch.arange(prefix_len, prefix_len + n, device=device)[None]
-        times: dict[str, list[float]] = {name: [] for name in ways}
-        for _ in range(repeats + 1):
-            for name, rows in ways.items():
-                install(model, rows, keep_panels=True)
-                t0 = time.perf_counter()
-                model(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
-                times[name].append(time.perf_counter() - t0)
-                cache.crop(-n)
-        for name, seconds in times.items():
-            kept = sorted(seconds[1:])
-            result[name].append(kept[len(kept) // 2])
+
+    def timed(ways: dict[str, RowPlan], counts: Sequence[int], rounds: int) -> dict[str, list[float]]:
+        result: dict[str, list[float]] = {name: [] for name in ways}
+        for n in counts:
+            block = torch.tensor([[(20 + i) % vocab_size for i in range(n)]], device=device)
+            positions = torch.arange(prefix_len, prefix_len + n, device=device)[None]
+            times: dict[str, list[float]] = {name: [] for name in ways}
+            for _ in range(rounds + 1):
+                for name, rows in ways.items():
+                    install(model, rows, keep_panels=True)
+                    t0 = time.perf_counter()
+                    model(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
+                    times[name].append(time.perf_counter() - t0)
+                    cache.crop(-n)
+            for name, seconds in times.items():
+                kept = sorted(seconds[1:])
+                result[name].append(kept[len(kept) // 2])
+        return result
+
+    few = range(1, max_rows + 1)
+    ways = {"stock": STOCK, "weight_left": {n: n for n in few}}
+    if packed:
+        ways["packed"] = {n: PACKED for n in few}
+    result: dict[str, list] = timed(ways, few, repeats)
+    if packed and wide:
+        wide_times = timed({"stock": STOCK, "packed": {n: PACKED for n in wide}}, wide, max(2, repeats // 2))
+        result |= {"wide_rows": list(wide), "wide_stock": wide_times["stock"], "wide_packed": wide_times["packed"]}
     return result
 
 
-def choose(timings: dict[str, list[float]], margin: float = 0.95) -> RowPlan:
+def choose(timings: dict[str, list], margin: float = 0.95) -> RowPlan:
     """For each row count n, the faster of W @ x^T (over the rows m >= n whose weight-left
     forward was fastest, padding only where that was under `margin` of n's own time) and the
     packed kernel (when timed), where it took under `margin` of the stock time (noise stays
-    stock, and unpadded)."""
+    stock, and unpadded). Above the few rows, each timed wide row count decides for the counts
+    from the one below it: packed where it took under `margin` of the stock time there."""
     stock, left, packed = timings["stock"], timings["weight_left"], timings.get("packed")
     plan: dict[int, int | str] = {}
     for n in range(1, len(stock) + 1):
@@ -224,6 +249,12 @@ def choose(timings: dict[str, list[float]], margin: float = 0.95) -> RowPlan:
             way, seconds = PACKED, packed[n - 1]
         if seconds < margin * stock[n - 1]:
             plan[n] = way
+    below = len(stock)
+    for rows, wide_stock, wide_packed in zip(timings.get("wide_rows", ()), timings.get("wide_stock", ()),
+                                             timings.get("wide_packed", ())):
+        if wide_packed < margin * wide_stock:
+            plan.update(dict.fromkeys(range(below + 1, rows + 1), PACKED))
+        below = rows
     return MappingProxyType(plan)
 
 
