@@ -20,8 +20,10 @@ rows it computes (1 is always padded to at least 2: a GEMM needs two rows).
 A third way, where this machine can build it: the packed kernel (packed_kernel.py), which
 streams a copy of each weight packed in panels and costs, for up to 12 rows, about what one row
 costs; its products are also the same bits for a row whatever rows share the step. It is timed
-beside the other two and chosen per row count like them, and its copies (as much memory again
-as the linear weights) are made only for models whose weights take under a quarter of the RAM.
+beside the other two and chosen per row count like them, and also against the stock GEMM at a
+few wider counts (WIDE_ROWS: prefills, PTD trees, batches), where on SmolLM2 it still took half
+the time at 256 rows. Its copies (as much memory again as the linear weights) are made only for
+models whose weights take under a quarter of the memory.
 
 Only the kernel changes: each output row is the same dot products, summed in another order, so
 logits differ from the stock path by float rounding (about 1e-4 on SmolLM2), as they already
