@@ -229,6 +229,17 @@ def test_a_packed_row_without_panels_falls_back_to_the_stock_product():
     assert torch.equal(row_kernels.linear(x, weight, None, ALL_PACKED), F.linear(x, weight))
 
 
+def test_an_autocast_region_keeps_pytorchs_product(packed_built):
+    """Under CPU autocast a layer's input may arrive in bfloat16; the float32-only kernel steps aside."""
+    layer = torch.nn.Linear(24, 40, bias=False)
+    row_kernels.install(layer, ALL_PACKED)
+    x = torch.randn(3, 24)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x.bfloat16())
+        expected = F.linear(x.bfloat16(), layer.weight)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
 def test_choice_takes_the_packed_kernel_where_it_is_fastest():
     timings = {"stock": [1.0, 1.6, 2.0, 1.5], "weight_left": [0.6, 0.84, 1.97, 1.2], "packed": [0.5, 0.9, 1.0, 2.0]}
     packed = row_kernels.PACKED

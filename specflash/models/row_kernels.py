@@ -86,12 +86,13 @@ def _version(tensor: torch.Tensor) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RowPlan,
            panels: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, computed as W @ x^T over zero-padded rows, or from the packed `panels` of W,
-    where `plan` says so (stock where it says packed but no panels are given, or where autograd
-    records the product: the packed kernel has no backward, and a drafter in training, e.g.
-    training/opd.py's, runs through its target's plan)."""
+    where `plan` says so (stock where it says packed but no panels are given, where x is not
+    float32 (an autocast region), or where autograd records the product: the packed kernel has no
+    backward, and a drafter in training, e.g. training/opd.py's, runs through its target's plan)."""
     rows = x.numel() // x.shape[-1]
     way = plan.get(rows)
-    if way == PACKED and panels is not None and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if (way == PACKED and panels is not None and x.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return packed_kernel.packed_linear(x, panels, weight.shape[0], bias)
     if way is None or way == PACKED:
         return F.linear(x, weight, bias)
