@@ -26,12 +26,8 @@ from specflash.prompts import DOMAINS, heldout_prompts
 
 def plans(target) -> dict[str, row_kernels.RowPlan]:
     """The tuned plan and the one chosen from the same timings without the packed kernel."""
-    path = default_cache_dir() / "row-kernels"
-    name = f"{Path(str(target.name)).name}-{target.device.type}-{str(target.dtype).split('.')[-1]}"
-    (timings_file,) = path.glob(f"{name}-t{torch.get_num_threads()}-{row_kernels.METHOD}-{row_kernels.KERNELS}.json")
-    timings = json.loads(timings_file.read_text())
-    without = {way: seconds for way, seconds in timings.items() if way in ("stock", "weight_left")}
-    return {"without packed": row_kernels.choose(without), "tuned": target.row_plan}
+    timings = json.loads(row_kernels.timings_path(target.row_kernel_key, default_cache_dir()).read_text())
+    return {"without packed": row_kernels.choose(row_kernels.without_packed(timings)), "tuned": target.row_plan}
 
 
 def main() -> None:

@@ -300,3 +300,17 @@ def test_packed_copies_are_made_only_where_they_fit_in_memory(monkeypatch, tmp_p
     monkeypatch.setattr(row_kernels, "MEMORY_LIMITS", ())
     monkeypatch.setattr(row_kernels.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 10)
     assert not row_kernels.packed_fits(layer)  # 40 kB of RAM
+
+
+def test_cached_packed_timings_are_ignored_where_the_kernel_cannot_load(tiny_dirs, tmp_path, monkeypatch):
+    """Timings written where the kernel built (a shared cache, a compiler since removed) must not
+    route any row count, wide ones included, to an op this process never loaded."""
+    target = load_target(tiny_dirs["llama"])
+    path = row_kernels.timings_path(target.row_kernel_key, tmp_path)
+    path.parent.mkdir(parents=True)
+    few = row_kernels.MAX_ROWS
+    path.write_text(json.dumps({"stock": [1.0] * few, "weight_left": [2.0] * few, "packed": [0.5] * few,
+                                "wide_rows": [32], "wide_stock": [1.0], "wide_packed": [0.5]}))
+    monkeypatch.setattr(packed_kernel, "_state", {"loaded": False})
+    plan = target.tune_row_kernels(tmp_path)
+    assert plan == {} and row_kernels.PACKED not in plan.values()

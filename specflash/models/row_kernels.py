@@ -157,7 +157,7 @@ def _runs(numbers: list[int]) -> list[str]:
 
 def packed_usable(model: torch.nn.Module, cache_dir: Path | None) -> bool:
     """Whether the packed kernel is loaded (built into `cache_dir` if need be) and a packed copy
-    of the model's linear weights takes under a quarter of the machine's RAM."""
+    of the model's linear weights fits in memory (packed_fits)."""
     from .acquire import default_cache_dir
 
     return packed_fits(model) and packed_kernel.load(Path(cache_dir) if cache_dir else default_cache_dir())
@@ -261,11 +261,21 @@ def choose(timings: dict[str, list], margin: float = 0.95) -> RowPlan:
     return MappingProxyType(plan)
 
 
+def timings_path(key: str, cache_dir: Path) -> Path:
+    """Where `tune` keeps the timings of the model named `key` at the current thread count."""
+    return Path(cache_dir) / "row-kernels" / f"{key}-t{torch.get_num_threads()}-{METHOD}-{KERNELS}.json"
+
+
+def without_packed(timings: dict[str, list]) -> dict[str, list]:
+    """The timings of PyTorch's two ways only: what `choose` would pick with no packed kernel."""
+    return {way: seconds for way, seconds in timings.items() if way in ("stock", "weight_left")}
+
+
 def tune(model: torch.nn.Module, vocab_size: int, key: str, cache_dir: Path | None) -> RowPlan:
     """Measure (or read from `cache_dir/row-kernels/<key>.json`) and install the choice."""
     if not applies(model):
         return STOCK
-    path = Path(cache_dir) / "row-kernels" / f"{key}-t{torch.get_num_threads()}-{METHOD}-{KERNELS}.json" if cache_dir else None
+    path = timings_path(key, cache_dir) if cache_dir else None
     if path is not None and path.exists():
         timings = json.loads(path.read_text())
     else:
@@ -274,7 +284,7 @@ def tune(model: torch.nn.Module, vocab_size: int, key: str, cache_dir: Path | No
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(timings))
     if "packed" in timings and not packed_usable(model, cache_dir):  # timed on a run that could build it
-        timings = {way: seconds for way, seconds in timings.items() if way != "packed"}
+        timings = without_packed(timings)
     chosen = choose(timings)
     install(model, chosen)
     return chosen

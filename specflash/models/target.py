@@ -143,9 +143,13 @@ class TargetModel:
         forward (row_kernels.py); attention-only models on CPU in float32, else nothing."""
         if self.family.recurrent or not row_kernels.applies(self.model):
             return row_kernels.STOCK
-        key = f"{Path(str(self.name)).name}-{self.device.type}-{str(self.dtype).split('.')[-1]}"
-        self.row_plan = row_kernels.tune(self.model, self.vocab_size, key, cache_dir)
+        self.row_plan = row_kernels.tune(self.model, self.vocab_size, self.row_kernel_key, cache_dir)
         return self.row_plan
+
+    @property
+    def row_kernel_key(self) -> str:
+        """Names this model, device and dtype in the row kernels' timing caches."""
+        return f"{Path(str(self.name)).name}-{self.device.type}-{str(self.dtype).split('.')[-1]}"
 
     @property
     def kernel_tag(self) -> str:
