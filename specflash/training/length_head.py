@@ -123,9 +123,11 @@ def predict(head: LengthHead, blocks: Blocks) -> torch.Tensor:
     return torch.cat([head(chunk.float()) for chunk in blocks.hidden.split(4096)])
 
 
-def mse(head: LengthHead, blocks: Blocks, block_size: int) -> float:
-    """MSE of the head's r against the blocks' labels (what `fit` minimises and stops on)."""
-    return float(F.mse_loss(predict(head, blocks), length_labels(blocks.accepted, block_size)))
+def mse(head: LengthHead, blocks: Blocks, block_size: int, r: torch.Tensor | None = None) -> float:
+    """MSE of the head's r (`predict`, unless given) against the blocks' labels (what `fit`
+    minimises and stops on)."""
+    r = predict(head, blocks) if r is None else r
+    return float(F.mse_loss(r, length_labels(blocks.accepted, block_size)))
 
 
 @torch.inference_mode()
@@ -137,7 +139,7 @@ def score(head: LengthHead, blocks: Blocks, block_size: int, rate: float = 1.0, 
     want = blocks.accepted + 1
     lengths = torch.tensor([verify_len(float(x), block_size, rate, min_len) for x in r])
     return {
-        "mse": float(F.mse_loss(r, length_labels(blocks.accepted, block_size))),
+        "mse": mse(head, blocks, block_size, r),
         "mean_abs_len_error": float((lengths - want).abs().float().mean()),
         "cut_short": float((lengths < want).float().mean()),
         "mean_verify_len": float(lengths.float().mean()),
