@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -12,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specflash.models import packed_kernel
 from specflash.models.target import TargetModel
 from specflash.models.tiny import FAMILY_ARCHS, TINY_ARCHS, ensure_tiny_model
 
@@ -44,6 +46,15 @@ def tiny_targets(tiny_dirs):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         out[arch] = TargetModel(model, AutoTokenizer.from_pretrained(path), name=str(path))
     return out
+
+
+@pytest.fixture(scope="session")
+def packed_built(tmp_path_factory):
+    """The packed kernel, built once for the session (skipped, saying why, with no C++ compiler)."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler on PATH: the packed kernel cannot be built here")
+    assert packed_kernel.load(tmp_path_factory.mktemp("cache")), "the packed kernel failed to build"
+    return True
 
 
 def load_target(path) -> TargetModel:

@@ -7,7 +7,6 @@ decoding on the same runtime, which equals the stock kernels' greedy decoding.""
 from __future__ import annotations
 
 import json
-import shutil
 from types import MappingProxyType
 
 import pytest
@@ -27,15 +26,6 @@ ALL_ROWS = {n: n for n in range(1, row_kernels.MAX_ROWS + 1)}
 PADDED = {n: max(n, 4) if n <= 4 else 8 if n <= 8 else 16 for n in ALL_ROWS}  # 1-3 -> 4, 5-7 -> 8, 9-15 -> 16
 ALL_PACKED = {n: row_kernels.PACKED for n in range(1, row_kernels.WIDE_ROWS[-1] + 1)}  # prefills too
 MIXED = {1: row_kernels.PACKED, 2: 2, 3: 4, 4: 4, 5: row_kernels.PACKED, 9: row_kernels.PACKED}
-
-
-@pytest.fixture(scope="session")
-def packed_built(tmp_path_factory):
-    """The packed kernel, built once for the session (skipped, saying why, with no C++ compiler)."""
-    if not (shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("no C++ compiler on PATH: the packed kernel cannot be built here")
-    assert packed_kernel.load(tmp_path_factory.mktemp("cache")), "the packed kernel failed to build"
-    return True
 
 
 @pytest.fixture(params=["all_rows", "padded", "packed", "mixed"])
@@ -252,13 +242,38 @@ def test_choice_takes_the_packed_kernel_where_it_is_fastest():
 
 def test_each_wide_row_count_decides_for_the_counts_up_to_it():
     """Above the few rows only a handful of widths are timed; each covers the counts from the one
-    below it, and only a clear win takes the packed kernel."""
+    below it, only a clear win takes the packed kernel, and the widest decides for all wider."""
     few = {"stock": [1.0, 1.0], "weight_left": [2.0, 2.0], "packed": [0.5, 0.5]}
     wide = {"wide_rows": [4, 8, 16], "wide_stock": [1.0, 1.0, 1.0], "wide_packed": [0.5, 0.97, 0.5]}
     plan = row_kernels.choose(few | wide)
     packed = row_kernels.PACKED
-    assert plan == {1: packed, 2: packed, 3: packed, 4: packed, **dict.fromkeys(range(9, 17), packed)}
-    assert 5 not in plan and 17 not in plan  # 5-8: within noise at 8, stock; past the widest timed: stock
+    assert plan == {1: packed, 2: packed, 3: packed, 4: packed, **dict.fromkeys(range(9, 17), packed),
+                    row_kernels.ANY_ROWS: packed}
+    assert 5 not in plan  # 5-8: within noise at 8, stock
+    assert row_kernels.tag(plan) == f"-pk1-4.9-16.all-{row_kernels.KERNELS}"
+    lost_widest = wide | {"wide_packed": [0.5, 0.5, 0.97]}
+    assert row_kernels.ANY_ROWS not in row_kernels.choose(few | lost_widest)
+
+
+def test_rows_past_the_listed_counts_follow_the_any_rows_entry(packed_built, monkeypatch):
+    """A plan's ANY_ROWS entry routes every unlisted row count (a long prompt) to the packed
+    kernel, whose rows are then the same bits as the same rows computed alone; without it they
+    go to PyTorch's product."""
+    calls = []
+    real = packed_kernel.packed_linear
+    monkeypatch.setattr(packed_kernel, "packed_linear", lambda x, *a: calls.append(len(x)) or real(x, *a))
+    layer = torch.nn.Linear(40, 70)
+    x = torch.randn(300, 40)
+    with torch.inference_mode():
+        expected = F.linear(x, layer.weight, layer.bias)
+        row_kernels.install(layer, {1: row_kernels.PACKED})
+        assert torch.equal(layer(x), expected) and calls == []
+        row_kernels.install(layer, row_kernels.PACKED_EVERYWHERE)
+        wide = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in (0, 150, 299)])
+    assert calls == [300, 1, 1, 1]
+    assert torch.allclose(wide, expected, atol=1e-5)
+    assert torch.equal(wide[[0, 150, 299]], alone)
 
 
 def test_measuring_alternates_three_ways_when_the_packed_kernel_is_built(packed_built, tiny_dirs, monkeypatch):

@@ -22,7 +22,9 @@ streams a copy of each weight packed in panels and costs, for up to 12 rows, abo
 costs; its products are also the same bits for a row whatever rows share the step. It is timed
 beside the other two and chosen per row count like them, and also against the stock GEMM at a
 few wider counts (WIDE_ROWS: prefills, PTD trees, batches), where on SmolLM2 it still took half
-the time at 256 rows. Its copies (as much memory again as the linear weights) are made only for
+the time at 256 rows; where it wins at the widest count timed, it also takes every wider forward
+(a long prompt, a teacher-forced training sequence, a harvest batch's prefill: 512 and 1024 rows
+took 455 and 1040 ms against 825 and 1818 here, untimed by the tuner to keep it short). Its copies (as much memory again as the linear weights) are made only for
 models whose weights take under a quarter of the memory.
 
 Only the kernel changes: each output row is the same dot products, summed in another order, so
@@ -50,10 +52,12 @@ METHOD = "alternating"  # names how `measure` times, in its cache files: older o
 KERNELS = "v6"  # names the kernels' code in timing caches (v2: row-major output, v3: padded rows, v4: packed,
 # v5: packed on all threads, v6: wide row counts)
 PACKED = "packed"  # a row plan's value for the packed kernel
+ANY_ROWS = 0  # a row plan's key for the row counts it does not list (its value can only be PACKED)
 MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
 
 RowPlan = Mapping[int, "int | str"]  # row count -> rows computed as W @ x^T (>= it), or PACKED; absent: stock
 STOCK: RowPlan = MappingProxyType({})
+PACKED_EVERYWHERE: RowPlan = MappingProxyType({ANY_ROWS: PACKED})
 
 
 class RowKernelLinear(torch.nn.Linear):
@@ -90,7 +94,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pla
     float32 (an autocast region), or where autograd records the product: the packed kernel has no
     backward, and a drafter in training, e.g. training/opd.py's, runs through its target's plan)."""
     rows = x.numel() // x.shape[-1]
-    way = plan.get(rows)
+    way = plan.get(rows, plan.get(ANY_ROWS))
     if (way == PACKED and panels is not None and x.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return packed_kernel.packed_linear(x, panels, weight.shape[0], bias)
@@ -136,11 +140,13 @@ def install(model: torch.nn.Module, plan: RowPlan, keep_panels: bool = False) ->
 
 def tag(plan: RowPlan) -> str:
     """Names a plan in file names, "-wl1.2.3p4-pk5.7-9-<KERNELS>" (n, or n padded to m as "npm",
-    for W @ x^T; the packed kernel's rows after "pk", runs as "a-b"; "" when stock)."""
+    for W @ x^T; the packed kernel's rows after "pk", runs as "a-b", and "all" for the counts the
+    plan does not list; "" when stock)."""
     if not plan:
         return ""
     left = ".".join(str(n) if plan[n] == n else f"{n}p{plan[n]}" for n in sorted(plan) if plan[n] != PACKED)
-    packed = ".".join(_runs(sorted(n for n in plan if plan[n] == PACKED)))
+    listed = _runs(sorted(n for n in plan if plan[n] == PACKED and n != ANY_ROWS))
+    packed = ".".join(listed + ["all"] * (plan.get(ANY_ROWS) == PACKED))
     return "".join((f"-wl{left}" if left else "", f"-pk{packed}" if packed else "", f"-{KERNELS}"))
 
 
@@ -241,7 +247,8 @@ def choose(timings: dict[str, list], margin: float = 0.95) -> RowPlan:
     forward was fastest, padding only where that was under `margin` of n's own time) and the
     packed kernel (when timed), where it took under `margin` of the stock time (noise stays
     stock, and unpadded). Above the few rows, each timed wide row count decides for the counts
-    from the one below it: packed where it took under `margin` of the stock time there."""
+    from the one below it: packed where it took under `margin` of the stock time there; the
+    widest one decides also for every count above it (ANY_ROWS)."""
     stock, left, packed = timings["stock"], timings["weight_left"], timings.get("packed")
     plan: dict[int, int | str] = {}
     for n in range(1, len(stock) + 1):
@@ -252,12 +259,15 @@ def choose(timings: dict[str, list], margin: float = 0.95) -> RowPlan:
             way, seconds = PACKED, packed[n - 1]
         if seconds < margin * stock[n - 1]:
             plan[n] = way
-    below = len(stock)
+    below, wins = len(stock), False
     for rows, wide_stock, wide_packed in zip(timings.get("wide_rows", ()), timings.get("wide_stock", ()),
                                              timings.get("wide_packed", ())):
-        if wide_packed < margin * wide_stock:
+        wins = wide_packed < margin * wide_stock
+        if wins:
             plan.update(dict.fromkeys(range(below + 1, rows + 1), PACKED))
         below = rows
+    if wins:
+        plan[ANY_ROWS] = PACKED
     return MappingProxyType(plan)
 
 
