@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers import DynamicCache
+
 from conftest import LOSSLESS_ARCHS
-from specflash.kv import cache_len, keep_rows, rollback
+from specflash.kv import GrowingLayer, cache_len, keep_rows, rollback, select_batch_rows
 from specflash.tree import DraftTree, additive_mask
 
 #        root
@@ -111,3 +113,54 @@ def test_feature_hooks_match_hidden_states(tiny_targets):
         assert out.features.shape == (3, 2 * h)
     finally:
         target.capture_layers(())
+
+
+def _steps(target, cache) -> list[torch.Tensor]:
+    """Logits of a prefill, one-token steps, a rollback, a tree gather and more steps."""
+    out = [target.forward(list(range(5, 40)), cache, 0).logits]
+    for i in range(3):
+        out.append(target.forward([50 + i], cache, cache_len(cache)).logits)
+    rollback(cache, 2)
+    start = cache_len(cache)
+    out.append(target.forward([7, *TREE.tokens], cache, start, tree=TREE).logits)
+    keep_rows(cache, start, [0, 2, 4])
+    for i in range(90):  # past the first room's size: the layer grows again
+        out.append(target.forward([60 + i % 7], cache, cache_len(cache)).logits)
+    return out
+
+
+@pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
+def test_growing_cache_equals_concatenation_and_writes_in_place(tiny_targets, arch):
+    """The target's cache writes each step into room behind its keys (no copy of the layer), and
+    every logit equals transformers' concatenating cache, through crops, tree gathers and growth."""
+    target = tiny_targets[arch]
+    grown, plain = target.new_cache(), DynamicCache()
+    with torch.inference_mode():
+        got = _steps(target, grown)
+        expected = _steps(target, plain)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        layer = grown.layers[0]
+        assert type(layer) is GrowingLayer and layer.keys.shape[2] == cache_len(grown) == 35 + 1 + 3 + 90
+        before = layer.keys.data_ptr()
+        target.forward([3], grown, cache_len(grown))
+        assert layer.keys.data_ptr() == before and layer.keys.shape[2] == 35 + 1 + 3 + 91
+        target.forward([3], plain, cache_len(plain))
+    with torch.no_grad():  # outside inference mode the room filled inside it cannot be written: it moves
+        a, b = (target.model(input_ids=torch.tensor([[4]]), cache=c, use_cache=True).logits for c in (grown, plain))
+    assert torch.equal(a, b) and not layer.keys.is_inference()
+
+
+def test_growing_cache_keeps_selected_batch_rows(tiny_targets):
+    """Dropping batch rows (a harvest's finished answers) leaves the others' next logits as if
+    they had decoded alone."""
+    target = tiny_targets["qwen3"]
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    with torch.inference_mode():
+        cache = target.new_cache()
+        target.model(input_ids=ids, cache=cache, use_cache=True)
+        select_batch_rows(cache, torch.tensor([0, 2]))
+        nxt = target.model(input_ids=torch.tensor([[20], [21]]), position_ids=torch.tensor([[4], [4]]),
+                           cache=cache, use_cache=True).logits[:, -1]
+    for row, token, got in zip((0, 2), (20, 21), nxt):
+        ref = _sequential_logits(target, ids[row].tolist() + [token])[-1]
+        assert torch.allclose(got, ref, atol=1e-5)
