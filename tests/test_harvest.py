@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specflash.errors import SpecFlashError
+from specflash.models import packed_kernel, row_kernels
 from specflash.models.target import TargetModel
 from specflash.training import harvest
 from specflash.training.data import load_shards, load_target
@@ -62,6 +64,38 @@ def test_batched_generation_equals_greedy_and_features_equal_a_forward(llama):
         assert feats.shape == (len(sample.token_ids) - 1, 2 * model.config.hidden_size)
         full = target.forward(sample.token_ids, target.new_cache(), 0, last_only=True).features
         assert torch.allclose(feats.float(), full[: len(feats)], atol=2e-2, rtol=1e-2)
+
+
+def test_packed_harvest_answers_are_the_batch_one_greedy_ones(llama, packed_built):
+    """On the packed kernel every linear layer of every forward (prefill and batched steps) runs
+    on it, and each batched answer is the same model's greedy answer decoded alone."""
+    model, tokenizer = harvest.load_harvest_target(harvest.parse_args(["--model", str(llama), "--kernel", "packed"]))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.row_plan == row_kernels.PACKED_EVERYWHERE for m in linears)
+    texts = ["def add(a, b):", "The quick brown fox jumps over the lazy dog and then", "Hi", "What is 12 * 7?"]
+    jobs = [Job(f"t-{i}", "code", "test", t) for i, t in enumerate(texts)]
+    hooks = harvest._Hooks(model.get_decoder().layers, (1,))
+    made = harvest.generate_with_features(model, tokenizer, hooks, jobs, max_new_tokens=12)
+    hooks.remove()
+    for sample, _ in made:
+        prompt = sample.token_ids[: sample.prompt_len]
+        ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)[0, len(prompt):]
+        assert sample.token_ids[sample.prompt_len:] == ref.tolist()[: len(sample.token_ids) - sample.prompt_len]
+
+
+def test_the_kernel_is_part_of_the_folder_key(llama, packed_built, monkeypatch):
+    base = ["--model", str(llama)]
+    stock = harvest._settings(harvest.parse_args([*base, "--kernel", "stock"]))
+    packed = harvest._settings(harvest.parse_args([*base, "--kernel", "packed"]))
+    assert "kernel" not in stock  # folders made before the packed kernel keep their key
+    assert packed == stock | {"kernel": "packed"}
+    assert harvest.parse_args(base).kernel == "packed"  # the default where the kernel builds
+    monkeypatch.setattr(row_kernels, "packed_usable", lambda *a: False)
+    with pytest.raises(SpecFlashError, match="--kernel stock"):
+        harvest.load_harvest_target(harvest.parse_args([*base, "--kernel", "packed"]))
+    monkeypatch.setattr(packed_kernel, "load", lambda *a: False)
+    assert harvest.parse_args(base).kernel == "stock"
 
 
 def test_folder_resumes_grows_and_serves_chosen_layers(llama, tmp_path):

@@ -9,9 +9,12 @@ and its inputs are the target's hidden states at every position. Capturing them 
 teacher-forced pass over each sequence that `dflash_features.py` would otherwise need.
 
 Rows are left-padded prompts; rows that emitted EOS leave the batch (their cache rows are dropped)
-once a quarter of the batch has finished, so long answers rarely pay for finished ones. Labels are the float32 model's argmax under batched
-numerics: on a near-tie the batched argmax can differ from a batch-1 greedy run (the data card
-gives the measured agreement). The job list (sources, order, ids) depends only on the seed and
+once a quarter of the batch has finished, so long answers rarely pay for finished ones. Labels are the float32 model's argmax. On a CPU the
+linear layers run on the packed kernel (`--kernel packed`, the default there: models/row_kernels.py),
+whose products are the same bits for a row whatever rows share the batch, and about twice as fast
+as PyTorch's GEMM at these widths; with `--kernel stock` (PyTorch's GEMM, how folders made before
+the twenty-fifth session were made, and what resumes them) a near-tie can break differently in a
+batch than in a batch-1 greedy run (the data card gives the measured agreement). The job list (sources, order, ids) depends only on the seed and
 the recipe; `--limit` grows a folder, and a rerun resumes at the first sample not yet written.
 
 Each shard is a generate-mode shard of data.py plus `<shard>.features.safetensors`: float16
@@ -35,12 +38,14 @@ import platformdirs
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from ..errors import SpecFlashError
+from ..kv import new_cache, select_batch_rows
 from ..prompts import training_prompts
 from . import self_prompts as self_prompt_source
 from . import sources, task_sources
+from ..models import packed_kernel, row_kernels
+from ..models.acquire import default_cache_dir
 from .data import Sample, _eos_ids, _start_manifest, append_shard, encode_prompt, load_target
 from .entry import run_script
 from .sources import Job
@@ -169,7 +174,7 @@ def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job],
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, W]
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                 logits_to_keep=1)
     feats = hooks.take()
@@ -190,7 +195,7 @@ def generate_with_features(model, tokenizer, hooks: _Hooks, jobs: Sequence[Job],
             # finished rows leave the batch and its cache, a quarter at a time: each compaction
             # copies the whole cache, so doing it per finished row would cost more than it saves
             sel = torch.tensor(keep, device=device)
-            cache.batch_select_indices(sel)
+            select_batch_rows(cache, sel)
             mask, positions, nxt = mask[sel], positions[sel], nxt[sel]
             rows = _Rows([rows.index[r] for r in keep], [rows.answers[r] for r in keep], [rows.features[r] for r in keep])
         mask = torch.cat([mask, mask.new_ones(len(rows.index), 1)], dim=-1)
@@ -230,7 +235,20 @@ def _settings(args: argparse.Namespace) -> dict:
                 "sources": list(args.sources), "per_source": args.per_source}
     if set(args.sources) & set(SAMPLED_SOURCES):  # only then: greedy recipes keep their folder
         settings["temperature"] = args.temperature
+    if args.kernel == "packed":  # only then: folders made with PyTorch's kernels keep their key
+        settings["kernel"] = "packed"
     return settings
+
+
+def load_harvest_target(args: argparse.Namespace):
+    """The float32 target, its linear layers on the kernel the recipe names (`--kernel`)."""
+    model, tokenizer = load_target(args.model, args.device, torch.float32)
+    if args.kernel == "packed":
+        if not (row_kernels.applies(model) and row_kernels.packed_usable(model, None)):
+            raise SpecFlashError("--kernel packed needs a CPU float32 target, a C++ compiler to build the packed "
+                                 "kernel and memory for a second copy of the weights; pass --kernel stock")
+        row_kernels.install(model, row_kernels.PACKED_EVERYWHERE)
+    return model, tokenizer
 
 
 def self_prompt_writer(model, tokenizer, count: int, seed: int, path: Path) -> Callable[[], list[Job]]:
@@ -256,7 +274,7 @@ def harvest(args: argparse.Namespace) -> dict:
     cache = Path(platformdirs.user_cache_dir("specflash")) / "corpora"
     model = tokenizer = write_prompts = None
     if self_prompt_source.SOURCE in args.sources:
-        model, tokenizer = load_target(args.model, args.device, torch.float32)
+        model, tokenizer = load_harvest_target(args)
         write_prompts = self_prompt_writer(model, tokenizer, args.per_source, args.seed, out / "self-prompts.jsonl")
     jobs = recipe_jobs(args.seed, args.per_source, args.sources, cache, write_prompts)[: args.limit]
     done = {sid for shard in manifest["shards"] for sid in shard["ids"]}
@@ -264,7 +282,7 @@ def harvest(args: argparse.Namespace) -> dict:
     if not todo:
         return report
     if model is None:
-        model, tokenizer = load_target(args.model, args.device, torch.float32)
+        model, tokenizer = load_harvest_target(args)
     bad = [i for i in args.layers if not 0 <= i < model.config.num_hidden_layers]
     if bad:
         raise SpecFlashError(f"--layers {bad} out of range: the target has {model.config.num_hidden_layers} layers")
@@ -332,6 +350,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--shard-size", type=int, default=256)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--kernel", choices=("packed", "stock"), default=None,
+                   help="the linear layers' kernel, part of the recipe (default: packed on a CPU where it builds, "
+                        "else stock); stock resumes folders made before the packed kernel")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--summary", action="store_true", help="print what the folder holds, per source, and stop")
@@ -341,6 +362,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if not args.layers:
         p.error("--layers needs at least one layer id")
+    if args.kernel == "packed" and args.device != "cpu":
+        p.error("--kernel packed runs on a CPU only")
+    if args.kernel is None:  # the folder's key records which: the two write different near-ties
+        args.kernel = "packed" if args.device == "cpu" and packed_kernel.load(default_cache_dir()) else "stock"
     return args
 
 

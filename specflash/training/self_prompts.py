@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from ..errors import SpecFlashError
+from ..kv import new_cache
 from .sources import Job
 
 SOURCE = "self-prompts"
@@ -76,7 +76,7 @@ def sample_user_turns(model, tokenizer, openings: Sequence[str], generator: torc
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     written: list[list[int]] = [[] for _ in prompts]
     ended = [False] * len(prompts)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     step_ids = ids
     for _ in range(max_tokens):
