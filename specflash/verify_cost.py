@@ -17,14 +17,19 @@ import torch
 
 from .engine import sync_device
 
+METHOD = "rounds"  # names how the curve is measured and fitted, in its cache files: older ones are measured again
+
 
 def measure_verify_cost(target, max_len: int, repeats: int = 5, prefix_len: int = 64, batch: int = 1) -> list[float]:
-    """[c(1) = 1, c(2), ..., c(max_len)], each a forward of `batch` rows."""
+    """[c(1) = 1, c(2), ..., c(max_len)], each a forward of `batch` rows: medians over `repeats`
+    rounds, each round timing every length once (after one round that warms up), so that a
+    change in the machine's load weighs on all lengths alike. Timed length after length instead,
+    a burst of load while 2 tokens were timed once gave c(2) = 1.45 on a machine where a quiet
+    run gives 1.00 (SmolLM2-135M, 2 threads, packed kernel), and the fit carried it to c(8)."""
     prefix = [i % target.vocab_size for i in range(10, 10 + prefix_len)]
-    medians = []
-    for n in range(1, max_len + 1):
-        times = []
-        for _ in range(repeats + 1):  # the first call warms up
+    times: list[list[float]] = [[] for _ in range(max_len)]
+    for round_ in range(repeats + 1):
+        for n in range(1, max_len + 1):
             cache = target.new_cache()
             _forward(target, prefix, cache, 0, batch, last_only=True)
             block = [(20 + i) % target.vocab_size for i in range(n)]
@@ -32,10 +37,10 @@ def measure_verify_cost(target, max_len: int, repeats: int = 5, prefix_len: int 
             t0 = time.perf_counter()
             _forward(target, block, cache, prefix_len, batch)
             sync_device(target.device)
-            times.append(time.perf_counter() - t0)
-        medians.append(sorted(times[1:])[len(times[1:]) // 2])
-    base = medians[0]
-    return [m / base for m in medians]
+            if round_:
+                times[n - 1].append(time.perf_counter() - t0)
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    return [m / medians[0] for m in medians]
 
 
 @torch.inference_mode()
@@ -52,12 +57,19 @@ def _forward(target, ids: list[int], cache, start: int, batch: int, last_only: b
 
 
 def monotone(curve: list[float]) -> list[float]:
-    """Running maximum: verifying more tokens never costs less (timing noise can say otherwise)."""
-    out, best = [], 0.0
+    """The nearest non-decreasing curve (least squares: pool adjacent violators), scaled so that
+    c(1) = 1. Verifying more tokens never costs less, but timing noise can say otherwise; pooling
+    averages a point timed too high with the lengths after it, where a running maximum let that
+    one point raise every longer length."""
+    pools: list[list[float]] = []  # [sum, count] of runs of equal fitted values
     for c in curve:
-        best = max(best, c)
-        out.append(best)
-    return out
+        pools.append([c, 1])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    fitted = [total / count for total, count in pools for _ in range(int(count))]
+    return [c / fitted[0] for c in fitted]
 
 
 def cached_verify_cost(target, max_len: int, cache_dir: Path | None, batch: int = 1) -> list[float]:
@@ -70,7 +82,7 @@ def cached_verify_cost(target, max_len: int, cache_dir: Path | None, batch: int 
     threads = f"-t{torch.get_num_threads()}" if target.device.type == "cpu" else ""
     suffix = "" if batch == 1 else f"-b{batch}"
     key = (f"{Path(str(target.name)).name}-{target.device.type}{threads}-{str(target.dtype).split('.')[-1]}"
-           f"{target.kernel_tag}{suffix}.json")
+           f"{target.kernel_tag}{suffix}-{METHOD}.json")
     path = Path(cache_dir) / "verify-cost" / key
     if path.exists():
         curve = json.loads(path.read_text())

@@ -67,7 +67,11 @@ def test_cost_aware_cut():
     assert best_cut([0.1] * 7, STEEP) == 0  # hopeless drafts on a steep curve: verify none
     # 0.9 then hopeless: one token is worth c(2) = 1.5 (E = 1.9), the rest are not
     assert best_cut([0.9, 0.05, 0.05], STEEP) == 1
-    assert monotone([1.0, 0.9, 1.4, 1.2]) == [1.0, 1.0, 1.4, 1.4]
+    # pooled by hand: (1.0 + 0.9) / 2 = 0.95 and (1.4 + 1.2) / 2 = 1.3, then divided by 0.95
+    assert monotone([1.0, 0.9, 1.4, 1.2]) == pytest.approx([1.0, 1.0, 1.3 / 0.95, 1.3 / 0.95])
+    # one length timed high under load: averaged with the lengths after it, not carried to them all
+    assert monotone([1.0, 1.45, 1.0, 1.0]) == pytest.approx([1.0, 3.45 / 3, 3.45 / 3, 3.45 / 3])
+    assert monotone([1.0, 1.1, 1.2]) == [1.0, 1.1, 1.2]
 
 
 def test_cost_rule_verifies_less_than_dflash(tiny_targets):

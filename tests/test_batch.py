@@ -319,9 +319,28 @@ def test_verify_cost_per_batch_size_is_cached_apart(tiny_targets, tmp_path):
     wide = cached_verify_cost(target, 3, tmp_path, batch=3)
     one = cached_verify_cost(target, 3, tmp_path)
     stem = f"{Path(target.name).name}-cpu-t{torch.get_num_threads()}-float32"
-    assert sorted(p.name for p in (tmp_path / "verify-cost").iterdir()) == [f"{stem}-b3.json", f"{stem}.json"]
+    assert sorted(p.name for p in (tmp_path / "verify-cost").iterdir()) == [f"{stem}-b3-rounds.json", f"{stem}-rounds.json"]
     for curve in (wide, one):
         assert len(curve) == 3 and curve[0] == 1.0 and curve == sorted(curve)
+
+
+def test_verify_cost_times_every_length_in_each_round(tiny_targets, monkeypatch):
+    """Rounds over all lengths (the first warming up), not all repeats of one length and then
+    the next: a burst of load then weighs on every length alike."""
+    from specflash import verify_cost
+
+    target = tiny_targets["qwen2"]
+    fed = []
+    real = verify_cost._forward
+
+    def recorded(target, ids, cache, start, batch, last_only=False):
+        if start:  # the timed block, fed on top of the prefix
+            fed.append(len(ids))
+        return real(target, ids, cache, start, batch, last_only=last_only)
+
+    monkeypatch.setattr(verify_cost, "_forward", recorded)
+    curve = verify_cost.measure_verify_cost(target, 3, repeats=2, prefix_len=5)
+    assert fed == [1, 2, 3] * 3 and len(curve) == 3 and curve[0] == 1.0
 
 
 def test_verify_cost_per_cpu_thread_count_is_cached_apart(tiny_targets, tmp_path):
