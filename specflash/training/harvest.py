@@ -9,12 +9,14 @@ and its inputs are the target's hidden states at every position. Capturing them 
 teacher-forced pass over each sequence that `dflash_features.py` would otherwise need.
 
 Rows are left-padded prompts; rows that emitted EOS leave the batch (their cache rows are dropped)
-once a quarter of the batch has finished, so long answers rarely pay for finished ones. Labels are the float32 model's argmax. On a CPU the
-linear layers run on the packed kernel (`--kernel packed`, the default there: models/row_kernels.py),
-whose products are the same bits for a row whatever rows share the batch, and about twice as fast
-as PyTorch's GEMM at these widths; with `--kernel stock` (PyTorch's GEMM, how folders made before
-the twenty-fifth session were made, and what resumes them) a near-tie can break differently in a
-batch than in a batch-1 greedy run (the data card gives the measured agreement). The job list (sources, order, ids) depends only on the seed and
+once a quarter of the batch has finished, so long answers rarely pay for finished ones.
+Labels are the float32 model's argmax. On a CPU the linear layers run on the packed kernel
+(`--kernel packed`, the default where it builds: models/row_kernels.py), about twice as fast as
+PyTorch's GEMM at these widths, whose products are the same bits for a row whatever rows share
+the batch; attention over a row's left padding can still round differently from a batch-1 run,
+so a near-tie can break differently there (rarer than with `--kernel stock`, PyTorch's GEMM: how
+folders made before the twenty-fifth session were made, and what resumes them; the data card
+gives the measured agreement). The job list (sources, order, ids) depends only on the seed and
 the recipe; `--limit` grows a folder, and a rerun resumes at the first sample not yet written.
 
 Each shard is a generate-mode shard of data.py plus `<shard>.features.safetensors`: float16
