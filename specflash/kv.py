@@ -204,6 +204,28 @@ def restore(cache: Cache, saved: Checkpoint) -> None:
         layer.has_previous_state.update(previous)
 
 
+def stack_left_padded(caches: list[Cache], width: int) -> DynamicCache:
+    """One batch cache from single-row attention caches of different lengths: each row's entries
+    right-aligned in `width` slots, zeros before them (the batch's attention mask must hide those,
+    as it hides a left-padded prompt). Lets each prompt be prefilled alone, paying for its own
+    tokens instead of the batch's longest."""
+    if any(is_recurrent(c) for c in caches):
+        raise ValueError("recurrent states cannot be stacked from separate prefills: prefill the batch together")
+    stacked = DynamicCache()
+    stacked.layer_class_to_replicate = GrowingLayer
+    for i in range(len(caches[0].layers)):
+        rows = [(c.layers[i].keys, c.layers[i].values) for c in caches]
+        keys, values = (rows[0][j].new_zeros(len(rows), *rows[0][j].shape[1:2], width, rows[0][j].shape[3]) for j in (0, 1))
+        for b, (k, v) in enumerate(rows):
+            keys[b, :, width - k.shape[2]:] = k[0]
+            values[b, :, width - v.shape[2]:] = v[0]
+        layer = GrowingLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        stacked.layers.append(layer)
+    return stacked
+
+
 def select_batch_rows(cache: Cache, rows: torch.Tensor) -> None:
     """Keep only these batch rows, in every layer: key/value rows and recurrent states alike
     (transformers' own batch_select_indices knows attention layers only)."""

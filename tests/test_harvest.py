@@ -84,6 +84,23 @@ def test_packed_harvest_answers_are_the_batch_one_greedy_ones(llama, packed_buil
         assert sample.token_ids[sample.prompt_len:] == ref.tolist()[: len(sample.token_ids) - sample.prompt_len]
 
 
+def test_a_target_with_recurrent_layers_is_harvested_as_greedy_decoding(family_target):
+    """Recurrent states cannot be stacked from prompts prefilled alone: such a target prefills its
+    padded batch together, and its answers are still each prompt's greedy answer."""
+    target = family_target("qwen3_5")
+    model, tokenizer = target.model, target.tokenizer
+    jobs = [Job(f"t-{i}", "code", "test", t) for i, t in enumerate(["def add(a, b):", "The quick brown fox", "Hi"])]
+    hooks = harvest._Hooks(model.get_decoder().layers, (0,))
+    made = harvest.generate_with_features(model, tokenizer, hooks, jobs, max_new_tokens=8)
+    hooks.remove()
+    for sample, feats in made:
+        prompt = sample.token_ids[: sample.prompt_len]
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                             pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
+        assert sample.token_ids[sample.prompt_len:] == ref[: len(sample.token_ids) - sample.prompt_len]
+        assert len(feats) == len(sample.token_ids) - 1
+
+
 def test_the_kernel_is_part_of_the_folder_key(llama, packed_built, monkeypatch):
     base = ["--model", str(llama)]
     stock = harvest._settings(harvest.parse_args([*base, "--kernel", "stock"]))

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import LOSSLESS_ARCHS
-from specflash.kv import GrowingLayer, cache_len, keep_rows, rollback, select_batch_rows
+from specflash.kv import GrowingLayer, cache_len, keep_rows, rollback, select_batch_rows, stack_left_padded
 from specflash.tree import DraftTree, additive_mask
 
 #        root
@@ -164,3 +164,28 @@ def test_growing_cache_keeps_selected_batch_rows(tiny_targets):
     for row, token, got in zip((0, 2), (20, 21), nxt):
         ref = _sequential_logits(target, ids[row].tolist() + [token])[-1]
         assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_caches_prefilled_alone_stack_into_a_left_padded_batch(tiny_targets, family_target):
+    """Prompts of different lengths prefilled one by one, stacked right-aligned: a batched step
+    (padding masked) gives each row the logits it gets decoding alone. Recurrent states refuse."""
+    target = tiny_targets["llama"]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    width = 6
+    with torch.inference_mode():
+        caches = [target.new_cache() for _ in prompts]
+        for p, c in zip(prompts, caches):
+            target.model(input_ids=torch.tensor([p]), cache=c, use_cache=True)
+        batch = stack_left_padded(caches, width)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + 1) for p in prompts])
+        step = target.model(input_ids=torch.tensor([[20], [21], [22]]), attention_mask=mask, cache=batch,
+                            position_ids=torch.tensor([[len(p)] for p in prompts]), use_cache=True).logits[:, -1]
+    assert cache_len(batch) == width + 1
+    for p, token, got in zip(prompts, (20, 21, 22), step):
+        assert torch.allclose(got, _sequential_logits(target, p + [token])[-1], atol=1e-5)
+    hybrid = family_target("qwen3_5")
+    with torch.inference_mode():
+        state = hybrid.new_cache()
+        hybrid.model(input_ids=torch.tensor([[5, 6]]), cache=state, use_cache=True)
+    with pytest.raises(ValueError, match="recurrent"):
+        stack_left_padded([state], 2)
