@@ -147,13 +147,25 @@ def keep_rows(cache: Cache, start: int, rows: list[int]) -> None:
         return
     if is_recurrent(cache):
         raise ValueError("a cache with recurrent layers cannot keep scattered rows: verify chains on such targets")
-    for layer in cache.layers:
-        if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
-            continue
-        index = torch.tensor(rows, device=layer.keys.device) + start
-        # keys/values: [batch, kv_heads, seq, head_dim]
-        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys.index_select(2, index)], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :start], layer.values.index_select(2, index)], dim=2)
+    end = start + len(rows)
+    with torch.inference_mode(torch.is_inference_mode_enabled() or _holds_inference_tensors(cache)):
+        for layer in cache.layers:
+            if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+                continue
+            index = torch.tensor(rows, device=layer.keys.device) + start
+            # keys/values: [batch, kv_heads, seq, head_dim]; the kept rows move into place (a
+            # GrowingLayer's room keeps backing them, so the next forward copies nothing)
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                states[:, :, start:end] = states.index_select(2, index)
+                setattr(layer, name, states[:, :, :end])
+
+
+def _holds_inference_tensors(cache: Cache) -> bool:
+    """Whether the attention layers were filled in inference mode: their tensors can then be
+    written in place only inside it (the engine's forwards run there, its bookkeeping outside)."""
+    return any(isinstance(layer, DynamicLayer) and layer.is_initialized and layer.keys.is_inference()
+               for layer in cache.layers)
 
 
 _State = tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None], dict[int, bool]]
