@@ -96,6 +96,7 @@ class Decoding:
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(self.sampling.seed)
         eos = self.target.eos_ids
+        self.drafter.bind(self.target)
         self.drafter.begin(self.prompt_ids, self.sampling, generator)
         self.target.capture_layers(self.drafter.feature_layers)
         cache = self.target.new_cache()

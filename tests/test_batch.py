@@ -48,7 +48,7 @@ def single_drafter(target, variant: str, model=None) -> Drafter:
         return Drafter()
     model = model or random_drafter(target, block=8, feature_layers=(0, 1))
     if method == "dflash":
-        return DFlashEngineDrafter(model, DFlashConfig(gate=False))
+        return DFlashEngineDrafter(model, DFlashConfig(gate=False, tree=False))  # batches draft chains
     head = None
     if rule == "head":
         from specflash.models.length_head import LengthHead

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from conftest import LOSSLESS_ARCHS, hf_greedy
 from specflash.api import generate
 from specflash.config import SamplingConfig
-from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, build
+from specflash.drafters.adaflash import AdaFlashConfig
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, build, candidate_tree
 from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError
 from specflash.models.dflash import (
     DFlashCache,
@@ -22,6 +23,7 @@ from specflash.models.dflash import (
     training_block_mask,
 )
 from specflash.models.dflash_io import load_drafter, new_drafter, pick_mask_token, save_drafter
+from specflash.tree import DraftTree
 from specflash.training.dflash_objective import (
     acceptance_weights,
     block_labels,
@@ -70,6 +72,41 @@ def test_greedy_equals_transformers(tiny_targets, arch, layers, block, features)
         step = run.steps[1]
         assert step.q is not None and len(step.q) == len(step.tokens) == block - 1
         assert step.extras["dflash"] == {"block_size": block}
+
+
+def test_candidate_tree_takes_the_most_probable_paths():
+    """Paths score the product of their slots' probabilities; the best 4 here, worked by hand:
+    (a) 0.6, (a, a) 0.6 * 0.7 = 0.42, (b) 0.3, (b, a) 0.3 * 0.7 = 0.21, ahead of (a, b) 0.12."""
+    probs = torch.tensor([[0.6, 0.3, 0.1], [0.7, 0.2, 0.1]])
+    tree, q = candidate_tree(probs, None, 4)
+    assert tree == DraftTree((0, 0, 1, 0), (-1, 0, -1, 2))
+    assert q == pytest.approx([0.6, 0.7, 0.3, 0.7])
+    ids = torch.tensor([11, 12, 13])  # a draft vocabulary's columns name target ids
+    assert candidate_tree(probs, ids, 2)[0] == DraftTree((11, 11), (-1, 0))
+    assert candidate_tree(probs, None, 1)[0] == DraftTree((0,), (-1,))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tree_drafts_stay_greedy_and_branch(tiny_targets, arch):
+    """tree=true verifies the drafter's best paths as a tree (as many nodes as the chain had
+    tokens): the output is still plain greedy decoding, and the drafts do branch."""
+    target = tiny_targets[arch]
+    drafter = DFlashEngineDrafter(random_drafter(target, block=5, feature_layers=(0, 1)), DFlashConfig(gate=False, tree=True))
+    for prompt in PROMPTS:
+        ids = target.tokenizer(prompt).input_ids
+        run = generate(target, ids, "dflash", drafter=drafter, max_new_tokens=30, stop_on_eos=False)
+        assert run.output_ids == hf_greedy(target, ids, 30)
+        decode = [s for s in run.steps if s.phase == "decode" and len(s.tokens) == 4]
+        assert decode and any(s.parents != [-1, 0, 1, 2] for s in decode)
+
+
+def test_tree_is_a_dflash_knob_only():
+    """The family's other methods draft their blocks their own way: no tree knob to set there."""
+    assert DFlashConfig().tree is None and DFlashConfig(tree=False).tree is False
+    with pytest.raises(MethodConfigError, match="tree must be"):
+        DFlashConfig(tree="yes")
+    with pytest.raises(TypeError):
+        AdaFlashConfig(tree=True)
 
 
 def test_greedy_with_accepted_drafts(tiny_targets):

@@ -127,7 +127,7 @@ def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, a
     draft_probs = model.draft_probs
     monkeypatch.setattr(model, "draft_probs", lambda hidden: head_rows.append(len(hidden)) or draft_probs(hidden))
     # the gate alone: prompt lookup beside it (tests/test_lookup_source.py) would draft on this text
-    cfg = {"dflash": DFlashConfig(probe_every=4, lookup=False),
+    cfg = {"dflash": DFlashConfig(probe_every=4, lookup=False, tree=False),
            "adaflash": AdaFlashConfig(probe_every=4, rule="fixed", fixed_len=7, lookup=False)}
     drafter = {"dflash": DFlashEngineDrafter, "adaflash": AdaFlashDrafter}[method](model, cfg[method], STEEP)
     run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=60)
@@ -286,7 +286,7 @@ def test_a_shadow_chain_is_the_eager_draft_computed_as_it_is_read(tiny_targets, 
 
     target = tiny_targets["llama"]
     model = vocab_drafter(target, spread_ids(target, 30), feature_layers=(1,))
-    drafter = {"dflash": lambda: DFlashEngineDrafter(model, DFlashConfig(gate=False)),
+    drafter = {"dflash": lambda: DFlashEngineDrafter(model, DFlashConfig(gate=False, tree=False)),
                "adaflash": lambda: AdaFlashDrafter(model, AdaFlashConfig(gate=False, rule="fixed", fixed_len=7)),
                "dels": lambda: DeLSDrafter(model, DeLSConfig(gate=False, alpha=0.7, beta=0.3), random_head(target))}[method]()
     prompt_ids = target.tokenizer(PROMPT)["input_ids"]

@@ -25,7 +25,7 @@ from specflash.drafters.dels import DeLSConfig, DeLSDrafter
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
-from specflash.errors import UnsupportedModelError
+from specflash.errors import MethodConfigError, UnsupportedModelError
 from specflash.kv import checkpoint, is_recurrent, restore, rollback
 from specflash.tree import DraftTree
 
@@ -163,3 +163,16 @@ def test_batches_equal_transformers(family_target, arch):
     kept = [[len(s.accepted) for s in run.steps[1:4]] for run in generate_batch(
         target, prompts, drafter=OracleDrafter(prompts, refs, target.vocab_size), max_new_tokens=30).runs]
     assert any(len({row[i] for row in kept}) > 1 for i in range(3)), "rows should keep different counts"
+
+
+def test_dflash_drafts_chains_on_recurrent_targets(family_target):
+    """A recurrent state keeps one path, so where trees are DFlash's default (tree unset) it drafts
+    chains on such a target, and asking for trees there is refused, saying why."""
+    target = family_target("qwen3_5")
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    model = random_drafter(target, block=5, feature_layers=(0, 3))
+    run = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False)), max_new_tokens=12)
+    assert run.output_ids == hf_greedy(target, ids, 12)
+    assert all(s.parents == list(range(-1, len(s.tokens) - 1)) for s in run.steps)
+    with pytest.raises(MethodConfigError, match="recurrent"):
+        generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False, tree=True)), max_new_tokens=4)

@@ -80,10 +80,10 @@ class TwoBranchDrafter(Drafter):
 
 
 def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool,
-            dtype: torch.dtype = torch.float32, lookup: bool = False) -> DFlashEngineDrafter:
+            dtype: torch.dtype = torch.float32, lookup: bool = False, tree: bool = False) -> DFlashEngineDrafter:
     """A random DFlash drafter over the 8-token vocabulary, optionally with a reduced draft
     vocabulary, the draft gate (a flat verify cost, so the gate keeps drafting), prompt lookup
-    beside it, or computing in another dtype than the float32 target."""
+    beside it, computing in another dtype than the float32 target, or drafting trees."""
     spec = DFlashSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                       vocab_size=V, block_size=3, num_target_layers=1, target_layer_ids=(0,), mask_token_id=V - 1)
     model = new_drafter(spec, target, None if draft_ids is None else torch.tensor(draft_ids))
@@ -91,7 +91,7 @@ def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool,
     model.to(dtype)
     if gate:
         return _PrimedGateDrafter(model.eval(), DFlashConfig(gate=True, lookup=lookup), [1.0] * 4)
-    return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=False))
+    return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=False, tree=tree))
 
 
 class _PrimedGateDrafter(DFlashEngineDrafter):
@@ -135,6 +135,7 @@ def _methods(target):
         "dflash-gated": lambda: _dflash(target, None, gate=True),
         "dflash-lookup": lambda: _dflash(target, None, gate=True, lookup=True),
         "dflash-bf16": lambda: _dflash(target, [0, 2, 3, 5], gate=False, dtype=torch.bfloat16),
+        "dflash-tree": lambda: _dflash(target, None, gate=False, tree=True),
         "dflash2": lambda: _dflash2(target),
     }
 
@@ -144,7 +145,7 @@ def _tv(counts: dict, exact: dict, n: int) -> float:
 
 
 @pytest.mark.parametrize("method", ["ar", "draft", "draft-self", "pld", "tree", "dflash-d2t", "dflash-gated", "dflash-bf16",
-                                    "dflash2", "dflash-lookup"])
+                                    "dflash2", "dflash-lookup", "dflash-tree"])
 def test_sampled_output_follows_target(target, method):
     exact = _exact(target)
     joint23: dict = {}

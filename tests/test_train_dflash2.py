@@ -62,7 +62,7 @@ def start(setup):
 def test_identity_start_drafts_what_dflash_drafts(setup):
     _, target, _ = setup
     dflash = start(setup)
-    engines = [DFlashEngineDrafter(dflash, DFlashConfig(gate=False)),
+    engines = [DFlashEngineDrafter(dflash, DFlashConfig(gate=False, tree=False)),
                DFlash2EngineDrafter(convert(dflash).eval(), DFlash2Config(gate=False))]
     for text in PROMPTS:
         ids = target.tokenizer(text).input_ids

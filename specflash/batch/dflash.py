@@ -2,10 +2,11 @@
 
 They mirror the single-sequence drafters (drafters/dflash.py, drafters/adaflash.py) and reuse
 their networks, configs, cost curves and length heads, so a batch of one drafts exactly what the
-single engine drafts with `gate=false, lookup=false`. The draft gate and prompt lookup beside the
-drafter (drafters/gate.py, lookup_source.py) are per-sequence policies, read from one sequence's
-own timings and acceptance, and do not run here: every row drafts its full block (or its AdaFlash
-cut) every step. The DFlash context cache is batched like the target's (batch/target.py):
+single engine drafts with `gate=false, lookup=false` (and, for dflash, `tree=false`). The draft
+gate and prompt lookup beside the drafter (drafters/gate.py, lookup_source.py) are per-sequence
+policies, read from one sequence's own timings and acceptance, and do not run here: every row
+drafts its full block (or its AdaFlash cut) every step, as a chain (a rectangular verification
+forward has no per-row tree masks here). The DFlash context cache is batched like the target's (batch/target.py):
 one slot axis shared by all rows plus a validity mask, new context padded to the row with the
 most newly committed positions, holes compacted away when they dominate.
 

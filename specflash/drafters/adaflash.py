@@ -47,7 +47,7 @@ from ..trace import RunRecord, StepRecord
 from ..tree import DraftTree
 from ..verify_cost import best_cut, cached_verify_cost
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter, argmax_chain, drafter_folder, load_dflash_model
+from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, argmax_chain, drafter_folder, load_dflash_model
 from .gate import GateDecision
 
 RULES = ("cost", "fixed", "heuristic", "confidence", "entropy", "head")
@@ -55,7 +55,7 @@ ESTIMATES = ("confidence", "head")
 
 
 @dataclass(frozen=True)
-class AdaFlashConfig(DFlashConfig):
+class AdaFlashConfig(DFlashFamilyConfig):
     """DFlash's options plus the cut rule's."""
 
     rule: str = field(default="cost", metadata={"choices": RULES})

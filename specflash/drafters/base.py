@@ -71,6 +71,10 @@ class Drafter:
     name = "ar"
     feature_layers: tuple[int, ...] = ()
 
+    def bind(self, target) -> None:
+        """Called once per run, before `begin`, with the target that verifies the drafts: for what
+        a drafter must know of it (DFlash drafts chains where the target cannot verify trees)."""
+
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         """Called once per run before the prefill."""
         self.sampling = sampling

@@ -24,13 +24,13 @@ from ..errors import MethodConfigError
 from ..models.local_head import LocalHead, load_local_head
 from ..tree import DraftTree
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter, ShadowChain, gate_cost, load_dflash_model
+from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, ShadowChain, gate_cost, load_dflash_model
 
 _TOP = 3  # alternatives kept in the trace per drafted token
 
 
 @dataclass(frozen=True)
-class DeLSConfig(DFlashConfig):
+class DeLSConfig(DFlashFamilyConfig):
     """alpha and beta default to what scripts/dels_sweep.py chose for the shipped SmolLM2 head on
     the dev prompts, which no training data holds (the head's README has the table); sweep again
     for another head."""

@@ -11,6 +11,7 @@ The drafter's softmax probability of each drafted token goes into the trace.
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import asdict, dataclass
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,7 @@ from ..errors import CheckpointError, MethodConfigError
 from ..models import row_kernels
 from ..models.dflash import DFlashCache, DFlashDrafter
 from ..models.dflash_io import DRAFTER_DTYPE_CHOICES
+from ..trace import ROOT
 from ..tree import DraftTree
 from .base import Draft, Drafter
 from .gate import DraftGate, GateDecision
@@ -30,8 +32,8 @@ from .lookup_source import LookupSource
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
-    """DFlash: the checkpoint fixes the block size L; `max_draft` (None = L - 1) caps the number
+class DFlashFamilyConfig:
+    """The knobs every DFlash-family method shares. The checkpoint fixes the block size L; `max_draft` (None = L - 1) caps the number
     of drafted tokens per step, e.g. to trade acceptance for cheaper verification. `gate` lets the
     draft gate (gate.py) shrink the draft, down to none, when recent acceptance does not pay for
     drafting on this device; it probes again every `probe_every` steps or more, and starts drafting
@@ -74,10 +76,25 @@ class DFlashConfig:
                                     f"got {self.draft_dtype!r}")
 
 
+@dataclass(frozen=True)
+class DFlashConfig(DFlashFamilyConfig):
+    """DFlash's knobs: the family's, and `tree`: verify the drafter's most probable paths through
+    each slot's top tokens as a tree (candidate_tree), as many nodes as the chain would have had
+    tokens, instead of the argmax chain. None (the default): trees where the target can verify
+    them (attention-only targets), chains where it cannot (recurrent layers); false: chains."""
+
+    tree: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tree is not None and not isinstance(self.tree, bool):
+            raise MethodConfigError(f"tree must be true, false or unset, got {self.tree!r}")
+
+
 class DFlashEngineDrafter(Drafter):
     name = "dflash"
 
-    def __init__(self, model: DFlashDrafter, cfg: DFlashConfig, cost: list[float] | None = None) -> None:
+    def __init__(self, model: DFlashDrafter, cfg: DFlashFamilyConfig, cost: list[float] | None = None) -> None:
         """`cost`: the device's verify-cost curve (verify_cost.py), which the draft gate needs."""
         self.model = model.eval()
         self.cfg = cfg
@@ -87,6 +104,14 @@ class DFlashEngineDrafter(Drafter):
         if cfg.gate and cost is None:
             raise MethodConfigError("the draft gate needs the device's verify-cost curve; pass cost= or gate=False")
         self.cost = cost
+        self.trees = getattr(cfg, "tree", False) is not False
+
+    def bind(self, target) -> None:
+        tree = getattr(self.cfg, "tree", False)
+        if tree and target.family.recurrent:
+            raise MethodConfigError(f"tree=true: {target.family.name}'s recurrent layers cannot verify a tree of drafts "
+                                    "(a recurrent state keeps one path); leave tree unset or false")
+        self.trees = tree is not False and not target.family.recurrent
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
@@ -125,7 +150,7 @@ class DFlashEngineDrafter(Drafter):
 
     def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
         if self.gate is not None:
-            self.gate.verified(len(draft.tree), len(path))
+            self.gate.verified(max(draft.tree.depths(), default=0), len(path))
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_len: int) -> Draft:
@@ -175,6 +200,9 @@ class DFlashEngineDrafter(Drafter):
     def draft_block(self, context: list[int], k: int) -> Draft:
         """k >= 1 drafted tokens after the context; each DFlash-family method drafts its own way."""
         # Slots 1..k of one block forward predict the next k tokens; propose their argmax as a chain.
+        if self.trees:
+            tree, q = candidate_tree(*self.model.draft_probs(self.block_hidden(context)[1 : k + 1]), k)
+            return Draft(tree, q=None, q_token=q, extras={"dflash": {"block_size": self.spec.block_size}})
         tokens, q = argmax_chain(*self.model.draft_probs(self.block_hidden(context)[1 : k + 1]))
         return Draft(
             DraftTree.chain(tokens),
@@ -211,7 +239,7 @@ class DFlashEngineDrafter(Drafter):
         precision = "int8" if self.model.int8_head else str(self.model.compute_dtype).removeprefix("torch.")
         return {**asdict(self.cfg), "lookup": self.cfg.lookup and self.cfg.gate, "block_size": self.spec.block_size,
                 "target_layer_ids": list(self.feature_layers), "draft_layers": self.spec.num_layers,
-                "drafter_precision": precision}
+                "drafter_precision": precision, **({"tree": self.trees} if hasattr(self.cfg, "tree") else {})}
 
 
 def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[int], list[float]]:
@@ -220,6 +248,27 @@ def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[in
     best = probs.max(dim=-1)
     tokens = best.indices if ids is None else ids[best.indices]
     return tokens.tolist(), best.values.tolist()
+
+
+def candidate_tree(probs: torch.Tensor, ids: torch.Tensor | None, nodes: int, width: int = 4) -> tuple[DraftTree, list[float]]:
+    """The `nodes` most probable paths through the slots' top `width` tokens, as a draft tree,
+    and each node's probability. A path scores the product of its slots' probabilities."""
+    top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+    p = top.values.tolist()
+    tok = (top.indices if ids is None else ids[top.indices]).tolist()
+    heap = [(-p[0][r], (r,), ROOT) for r in range(len(p[0]))]
+    heapq.heapify(heap)
+    tokens, parents, q = [], [], []
+    while heap and len(tokens) < nodes:
+        neg, ranks, parent = heapq.heappop(heap)
+        depth, node = len(ranks) - 1, len(tokens)
+        tokens.append(tok[depth][ranks[-1]])
+        parents.append(parent)
+        q.append(p[depth][ranks[-1]])
+        if depth + 1 < len(p):
+            for r in range(len(p[depth + 1])):
+                heapq.heappush(heap, (neg * p[depth + 1][r], ranks + (r,), node))
+    return DraftTree(tuple(tokens), tuple(parents)), q
 
 
 class ShadowChain(Sequence[int]):

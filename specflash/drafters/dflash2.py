@@ -36,11 +36,11 @@ from ..errors import MethodConfigError
 from ..models.dflash2 import DFlash2Drafter, Lattice, Walk, walk
 from ..tree import DraftTree
 from .base import Draft
-from .dflash import DFlashConfig, DFlashEngineDrafter, gate_cost, load_dflash_model
+from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, gate_cost, load_dflash_model
 
 
 @dataclass(frozen=True)
-class DFlash2Config(DFlashConfig):
+class DFlash2Config(DFlashFamilyConfig):
     """DFlash 2: the same knobs as dflash (max_draft, gate, probe_every); the checkpoint fixes the
     block size, the convolutions and the selector's K."""
 

@@ -35,11 +35,11 @@ def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_
     different block sizes compare at the same depth."""
     from ..api import encode_prompt, generate_batch
     from ..drafters import build_drafter, method_info
-    from ..drafters.dflash import DFlashConfig
+    from ..drafters.dflash import DFlashFamilyConfig
 
     # loaded once, shared by every domain's batch; a DFlash drafter in the target's dtype, so the
     # table measures its own weights, not the int8 or bf16 copy the engine may run on some CPUs
-    dflash_family = issubclass(method_info(method).load().CONFIG, DFlashConfig)
+    dflash_family = issubclass(method_info(method).load().CONFIG, DFlashFamilyConfig)
     options = {"draft_dtype": "target"} if dflash_family else {}
     if max_draft is not None:
         options["max_draft"] = max_draft

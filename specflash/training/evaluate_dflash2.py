@@ -94,7 +94,8 @@ def _leading(hits: list[bool]) -> int:
 
 
 def engines(target, dflash: str | None, dflash2: Seq[str], labels: Seq[str], seed: int = 0) -> dict[str, Any]:
-    """Label -> engine drafter, gate off: `dflash` with the DFlash folder, `dflash2` with each
+    """Label -> engine drafter, gate off: `dflash` with the DFlash folder (its argmax chain, the
+    baseline a DFlash 2 walk replaces), `dflash2` with each
     DFlash 2 folder (a DFlash folder there is converted: its identity start, which drafts exactly
     what DFlash drafts)."""
     from ..drafters.dflash import DFlashConfig, DFlashEngineDrafter, drafter_folder
@@ -104,7 +105,7 @@ def engines(target, dflash: str | None, dflash2: Seq[str], labels: Seq[str], see
 
     out: dict[str, Any] = {}
     if dflash:
-        out["dflash"] = DFlashEngineDrafter(load_drafter(drafter_folder(dflash), target), DFlashConfig(gate=False))
+        out["dflash"] = DFlashEngineDrafter(load_drafter(drafter_folder(dflash), target), DFlashConfig(gate=False, tree=False))
     for label, folder in zip(labels, dflash2):
         model = load_drafter(drafter_folder(folder), target)
         if not isinstance(model, DFlash2Drafter):
