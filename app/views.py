@@ -259,9 +259,11 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float 
     if not step.tokens:
         return f"{why}No draft this step: {tail}."
     n, a = len(step.tokens), step.accepted_len
+    leaves = len(set(range(n)) - set(step.parents))
+    drafted = f"{n} drafted" if leaves == 1 else f"{n} drafted on {leaves} branches of a tree (the parent column)"
     if step.correction_kind == "bonus":
-        return f"{why}All {a} drafted tokens on the path were accepted (of {n} drafted): {tail}."
-    return f"{why}Verification stopped after {a} accepted token(s) of {n} drafted: {tail}."
+        return f"{why}All {a} drafted tokens on the path were accepted (of {drafted}): {tail}."
+    return f"{why}Verification stopped after {a} accepted token(s) of {drafted}: {tail}."
 
 
 def gate_summary(steps: Sequence[StepRecord]) -> str | None:

@@ -191,3 +191,10 @@ def test_a_clicked_token_names_its_step():
     assert views.clicked_step("99:1", run) == len(run.steps) - 1
     assert views.clicked_step("", run) is None and views.clicked_step("3:1", None) is None
     assert "#output .tok[data-step]" in views.TOKEN_CLICK_JS and "#token-step" in views.TOKEN_CLICK_JS
+
+
+def test_the_summary_says_when_the_draft_was_a_tree():
+    chain = views.stop_summary(step(), TEXTS, 0.0)
+    assert "of 4 drafted:" in chain and "branches" not in chain
+    tree = views.stop_summary(step(parents=[-1, 0, -1, 2], accepted=[0]), TEXTS, 0.0)  # two paths of two
+    assert "1 accepted token(s) of 4 drafted on 2 branches of a tree" in tree

@@ -102,7 +102,7 @@ def test_tree_drafts_stay_greedy_and_branch(tiny_targets, arch):
 
 def test_tree_is_a_dflash_knob_only():
     """The family's other methods draft their blocks their own way: no tree knob to set there."""
-    assert DFlashConfig().tree is None and DFlashConfig(tree=False).tree is False
+    assert DFlashConfig().tree is True and DFlashConfig(tree=False).tree is False
     with pytest.raises(MethodConfigError, match="tree must be"):
         DFlashConfig(tree="yes")
     with pytest.raises(TypeError):

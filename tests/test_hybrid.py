@@ -25,7 +25,7 @@ from specflash.drafters.dels import DeLSConfig, DeLSDrafter
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.prompt_lookup import PromptLookupDrafter
-from specflash.errors import MethodConfigError, UnsupportedModelError
+from specflash.errors import UnsupportedModelError
 from specflash.kv import checkpoint, is_recurrent, restore, rollback
 from specflash.tree import DraftTree
 
@@ -166,13 +166,12 @@ def test_batches_equal_transformers(family_target, arch):
 
 
 def test_dflash_drafts_chains_on_recurrent_targets(family_target):
-    """A recurrent state keeps one path, so where trees are DFlash's default (tree unset) it drafts
-    chains on such a target, and asking for trees there is refused, saying why."""
+    """A recurrent state keeps one path, so DFlash drafts chains on such a target even with trees
+    on (its default), and the run's config says so."""
     target = family_target("qwen3_5")
     ids = target.tokenizer(PROMPTS[0]).input_ids
     model = random_drafter(target, block=5, feature_layers=(0, 3))
-    run = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False)), max_new_tokens=12)
+    run = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False, tree=True)), max_new_tokens=12)
     assert run.output_ids == hf_greedy(target, ids, 12)
     assert all(s.parents == list(range(-1, len(s.tokens) - 1)) for s in run.steps)
-    with pytest.raises(MethodConfigError, match="recurrent"):
-        generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False, tree=True)), max_new_tokens=4)
+    assert run.config["tree"] is False

@@ -43,7 +43,8 @@ METHODS: dict[str, MethodInfo] = {
         MethodInfo("pld", "prompt lookup: n-gram drafts copied from the text so far", "the target only", "prompt_lookup"),
         MethodInfo(
             "dflash",
-            "DFlash: a block-diffusion drafter drafts a whole block in one pass from the target's hidden states",
+            "DFlash: a block-diffusion drafter drafts a whole block in one pass from the target's hidden states; "
+            "the target verifies a tree of its most probable paths (tree=false: the argmax chain)",
             "a DFlash drafter checkpoint for the target (--drafter; presets ship one)",
             "dflash",
             "dflash",

@@ -80,15 +80,15 @@ class DFlashFamilyConfig:
 class DFlashConfig(DFlashFamilyConfig):
     """DFlash's knobs: the family's, and `tree`: verify the drafter's most probable paths through
     each slot's top tokens as a tree (candidate_tree), as many nodes as the chain would have had
-    tokens, instead of the argmax chain. None (the default): trees where the target can verify
-    them (attention-only targets), chains where it cannot (recurrent layers); false: chains."""
+    tokens, instead of the argmax chain; on a target with recurrent layers, whose state keeps one
+    path, it drafts chains all the same (the run's config records what it drafted); false: chains."""
 
-    tree: bool | None = None
+    tree: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tree is not None and not isinstance(self.tree, bool):
-            raise MethodConfigError(f"tree must be true, false or unset, got {self.tree!r}")
+        if not isinstance(self.tree, bool):
+            raise MethodConfigError(f"tree must be true or false, got {self.tree!r}")
 
 
 class DFlashEngineDrafter(Drafter):
@@ -104,14 +104,10 @@ class DFlashEngineDrafter(Drafter):
         if cfg.gate and cost is None:
             raise MethodConfigError("the draft gate needs the device's verify-cost curve; pass cost= or gate=False")
         self.cost = cost
-        self.trees = getattr(cfg, "tree", False) is not False
+        self.trees = getattr(cfg, "tree", False)
 
     def bind(self, target) -> None:
-        tree = getattr(self.cfg, "tree", False)
-        if tree and target.family.recurrent:
-            raise MethodConfigError(f"tree=true: {target.family.name}'s recurrent layers cannot verify a tree of drafts "
-                                    "(a recurrent state keeps one path); leave tree unset or false")
-        self.trees = tree is not False and not target.family.recurrent
+        self.trees = getattr(self.cfg, "tree", False) and not target.family.recurrent
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
