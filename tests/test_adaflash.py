@@ -19,6 +19,7 @@ from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.errors import CheckpointError, MethodConfigError
 from specflash.models.dflash_io import load_drafter, save_drafter
 from specflash.trace import RunRecord, StepRecord
+from specflash.tree import DraftTree
 from specflash.models.length_head import LengthHead, length_labels, load_length_head, save_length_head, verify_len
 from specflash.verify_cost import best_cut, monotone
 
@@ -122,7 +123,8 @@ def test_heuristic_window_follows_acceptance(tiny_targets):
     for step in run.steps[1:]:
         if step.tokens:
             assert len(step.tokens) == min(window, len(step.tokens) + len(step.extras["adaflash"]["cut_tokens"]))
-            window = window + 2 if len(step.accepted) == len(step.tokens) else max(1, window - 1)
+            depth = max(DraftTree(tuple(step.tokens), tuple(step.parents)).depths())  # a tree's longest path
+            window = window + 2 if len(step.accepted) == depth else max(1, window - 1)
 
 
 def test_bad_config():
@@ -207,6 +209,45 @@ def test_annotate_cuts_on_hand_built_runs():
     assert would[0] == 2  # 8 (the target's own token) and 9 follow 6 in the output, 7 does not
     run.sampling = {"temperature": 0.7}
     assert all(s.extras["adaflash"]["cut_would_accept"] is None for s in annotate_cuts(run).steps[1:])
+
+
+def test_annotate_cuts_reads_a_tree_steps_chain():
+    """A tree step verified the chain's first tokens among other paths: its cut tokens follow the
+    chain, so they count only where the accepted path is that chain."""
+    prefill = StepRecord(step=0, phase="prefill", context_len=3, tokens=[], parents=[], q=None, p=[], accepted=[],
+                         correction=5, correction_kind="target", correction_p=1.0, committed=[5], verified=3,
+                         draft_time=0.0, verify_time=0.0)
+
+    def tree_step(index, accepted, committed):  # nodes 6 and 7 branch at the root; the chain is [6, 8]
+        return StepRecord(step=index, phase="decode", context_len=10, tokens=[6, 7, 8], parents=[-1, -1, 0], q=None,
+                          p=[1.0] * 3, accepted=accepted, correction=committed[-1], correction_kind="bonus",
+                          correction_p=1.0, committed=committed, verified=4, draft_time=0.0, verify_time=0.0,
+                          extras={"adaflash": {"cut_tokens": [9, 4], "chain": [6, 8]}})
+
+    run = RunRecord(method="adaflash", config={}, sampling={"temperature": 0.0}, model="m", device="cpu",
+                    prompt_ids=[1, 2, 3], steps=[prefill, tree_step(1, [0, 2], [6, 8, 9])],
+                    output_ids=[5, 6, 8, 9, 3], finish_reason="length", prefill_time=0.0)
+    assert annotate_cuts(run).steps[1].extras["adaflash"]["cut_would_accept"] == 1  # 9 follows, 4 does not
+    run.steps[1] = tree_step(1, [1], [7, 2])  # the other branch was kept: the chain broke
+    run.output_ids = [5, 7, 2, 9, 4]
+    assert annotate_cuts(run).steps[1].extras["adaflash"]["cut_would_accept"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tree_drafts_take_the_cuts_width_and_stay_greedy(tiny_targets, arch):
+    """With trees on (the default) the cut's width is the tree's node count: the same rows
+    verified as the chain would feed, the output still greedy, and some drafts branch."""
+    target = tiny_targets[arch]
+    cfg = AdaFlashConfig(gate=False, rule="fixed", fixed_len=4)
+    drafter = AdaFlashDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), cfg, STEEP[:8])
+    ids = target.tokenizer("The quick brown fox jumps over the lazy dog. The quick brown").input_ids
+    run = generate(target, ids, drafter=drafter, max_new_tokens=30, stop_on_eos=False)
+    assert run.output_ids == hf_greedy(target, ids, 30)
+    drafted = [s for s in run.steps[1:] if s.tokens]
+    assert all(s.extras["adaflash"]["verify_len"] == len(s.tokens) + 1 for s in drafted)
+    assert any(s.parents != list(range(-1, len(s.tokens) - 1)) for s in drafted)
+    assert all(s.extras["adaflash"]["chain"][0] == s.tokens[0] for s in drafted if "chain" in s.extras["adaflash"])
+    assert run.config["tree"] is True
 
 
 def test_cost_rule_can_read_the_heads_estimate():

@@ -57,7 +57,7 @@ def single_drafter(target, variant: str, model=None) -> Drafter:
         head = LengthHead(model.spec.hidden_size, bottleneck=16)
     # min_len 1: a random drafter's drafts are seldom worth verifying, and these tests need drafts
     cfg = AdaFlashConfig(gate=False, rule=rule, threshold=0.3 if rule == "confidence" else 2.0, fixed_len=2,
-                         min_len=1)
+                         min_len=1, tree=False)  # batches draft chains
     return AdaFlashDrafter(model, cfg, STEEP[:8], head)
 
 

@@ -12,6 +12,8 @@ from conftest import LOSSLESS_ARCHS, hf_greedy
 from specflash.api import generate
 from specflash.config import SamplingConfig
 from specflash.drafters.adaflash import AdaFlashConfig
+from specflash.drafters.dels import DeLSConfig
+from specflash.drafters.dflash2 import DFlash2Config
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, build, candidate_tree
 from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError
 from specflash.models.dflash import (
@@ -100,13 +102,16 @@ def test_tree_drafts_stay_greedy_and_branch(tiny_targets, arch):
         assert decode and any(s.parents != [-1, 0, 1, 2] for s in decode)
 
 
-def test_tree_is_a_dflash_knob_only():
-    """The family's other methods draft their blocks their own way: no tree knob to set there."""
+def test_tree_is_a_knob_of_the_methods_that_draft_trees():
+    """dflash and adaflash draft trees; dflash2 and dels draft their blocks their own ways, so
+    they have no tree knob to set."""
     assert DFlashConfig().tree is True and DFlashConfig(tree=False).tree is False
+    assert AdaFlashConfig().tree is True
     with pytest.raises(MethodConfigError, match="tree must be"):
         DFlashConfig(tree="yes")
-    with pytest.raises(TypeError):
-        AdaFlashConfig(tree=True)
+    for config in (DeLSConfig, DFlash2Config):
+        with pytest.raises(TypeError):
+            config(tree=True)
 
 
 def test_greedy_with_accepted_drafts(tiny_targets):

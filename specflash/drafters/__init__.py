@@ -58,7 +58,8 @@ METHODS: dict[str, MethodInfo] = {
         ),
         MethodInfo(
             "adaflash",
-            "AdaFlash: the DFlash draft cut where acceptance is unlikely, so the target verifies fewer tokens",
+            "AdaFlash: the DFlash draft cut where acceptance is unlikely, so the target verifies fewer tokens (as a tree "
+            "of the most probable paths; tree=false: the chain)",
             "a DFlash drafter (--drafter; presets ship one); cut rule -o rule=cost|fixed|heuristic|confidence|entropy",
             "adaflash",
             "dflash",

@@ -47,7 +47,8 @@ from ..trace import RunRecord, StepRecord
 from ..tree import DraftTree
 from ..verify_cost import best_cut, cached_verify_cost
 from .base import Draft
-from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, argmax_chain, drafter_folder, load_dflash_model
+from .dflash import (DFlashEngineDrafter, DFlashFamilyConfig, argmax_chain, candidate_tree, drafter_folder,
+                     load_dflash_model)
 from .gate import GateDecision
 
 RULES = ("cost", "fixed", "heuristic", "confidence", "entropy", "head")
@@ -70,9 +71,14 @@ class AdaFlashConfig(DFlashFamilyConfig):
     # with the gate on: a step the gate drafts drafts the whole block and the cut picks the width
     # (False: the gate's width, as dflash drafts, and the cut within it)
     whole_block: bool = True
+    # verify the cut's number of tokens as a tree of the block's most probable paths, as dflash
+    # does (dflash.candidate_tree; chains on targets with recurrent layers); False: the chain
+    tree: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.tree, bool):
+            raise MethodConfigError(f"tree must be true or false, got {self.tree!r}")
         if self.rule not in RULES:
             raise MethodConfigError(f"unknown cut rule {self.rule!r}; choose from {', '.join(RULES)}")
         if self.estimate not in ESTIMATES:
@@ -176,25 +182,20 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         cost = self.gate.cost if self.gate is not None else self.cost  # the gate's, calibrated in this run
         cut = cut_length(self.cfg.rule, probs, self.cfg, cost, self.window, score, L)
         keep = kept_length(cut, k, self.cfg)
-        draft = Draft(
-            DraftTree.chain(tokens[:keep]),
-            q=None,
-            q_token=q[:keep],
-            extras={
-                "dflash": {"block_size": self.spec.block_size},
-                "adaflash": {"rule": self.cfg.rule, "score": score, "verify_len": keep + 1, "cut_tokens": tokens[keep:],
-                             "cut_q": q[keep:]},
-            },
-        )
-        return draft
+        ada = {"rule": self.cfg.rule, "score": score, "verify_len": keep + 1, "cut_tokens": tokens[keep:], "cut_q": q[keep:]}
+        tree, q_nodes = DraftTree.chain(tokens[:keep]), q[:keep]
+        if self.trees and keep:  # the same rows, the most probable paths instead of the chain
+            tree, q_nodes = candidate_tree(probs, ids, keep)
+            ada["chain"] = tokens[:keep]  # what the cut tokens would have followed
+        return Draft(tree, q=None, q_token=q_nodes, extras={"dflash": {"block_size": self.spec.block_size}, "adaflash": ada})
 
     def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
         super().verified(draft, logits, path, committed)
         if self.cfg.rule == "heuristic" and len(draft.tree) and "lookup" not in draft.extras:
-            self.window = self.window + 2 if len(path) == len(draft.tree) else max(1, self.window - 1)
+            self.window = self.window + 2 if len(path) == max(draft.tree.depths()) else max(1, self.window - 1)
 
     def config_dict(self) -> dict[str, Any]:
-        return {**super().config_dict(), **asdict(self.cfg)}
+        return {**super().config_dict(), **asdict(self.cfg), "tree": self.trees}  # what it drafted
 
 
 CONFIG = AdaFlashConfig
@@ -233,9 +234,10 @@ def annotate_cuts(run: RunRecord) -> RunRecord:
 def _would_accept(step: StepRecord, cut: list[int], output: list[int], start: int) -> int | None:
     if not cut:
         return 0
-    if len(step.accepted) < len(step.tokens):
+    chain = step.extras["adaflash"].get("chain", step.tokens)  # a tree step verified paths beside the chain
+    if [step.tokens[i] for i in step.accepted] != chain:
         return 0  # the chain broke inside the verified part: nothing after it could count
-    after = start + len(step.tokens)  # where the first cut token would have stood
+    after = start + len(chain)  # where the first cut token would have stood
     if after >= len(output):
         return None
     matched = 0
