@@ -209,6 +209,17 @@ def _cut_sentence(cut: Cut) -> str:
             f"{expected}the target accepted {cut.accepted}{score}.{would}")
 
 
+def _tree_sentence(step: StepRecord, texts: Mapping[int, str]) -> str:
+    """For a step verified as a tree: how many paths, and which chain the cut tokens continue."""
+    chain = step.extras["adaflash"].get("chain")
+    paths = len(set(range(len(step.tokens))) - set(step.parents))
+    if chain is None or paths == 1:
+        return ""
+    words = " ".join(html.escape(repr(token_text(texts, t))) for t in chain)
+    return (f" The verified tokens were a tree of {paths} paths, listed node by node below (the Step inspector "
+            f"gives each one's parent); the cut tokens continue the drafter's argmax chain {words}.")
+
+
 def adaflash_cut_html(step: StepRecord, texts: Mapping[int, str], config: Mapping[str, Any]) -> str:
     """The step's draft as verified, a ✂ where the rule cut it, then the tokens it cut."""
     cut = step_cut(step, config)
@@ -222,7 +233,7 @@ def adaflash_cut_html(step: StepRecord, texts: Mapping[int, str], config: Mappin
                       for t in step.extras["adaflash"].get("cut_tokens", []))
     return (
         f'<div class="adaflash-cut"><p>Step {step.step}, rule <code>{html.escape(cut.rule)}</code> '
-        f"({html.escape(rule_meaning(cut.rule, config))}). {_cut_sentence(cut)}</p>"
+        f"({html.escape(rule_meaning(cut.rule, config))}). {_cut_sentence(cut)}{_tree_sentence(step, texts)}</p>"
         f'<div style="font-family:monospace">{kept}<span class="cut-mark" style="font-size:1.3em;color:#d9534f">✂</span>'
         f"{dropped}</div></div>"
     )

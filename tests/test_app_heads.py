@@ -211,3 +211,13 @@ def test_runner_up_tokens_are_decoded_with_the_step():
     step = chain(2, [5, 6], 1, dels_extras([False, True], [[alt(5, 1.0, 0.0, 0.0), alt(41, 0.5, 0.1, 0.0)],
                                                            [alt(6, 1.0, 0.0, 0.0), alt(42, 0.9, 0.2, 0.0)]]))
     assert {41, 42} <= set(step_ids(step))
+
+
+def test_a_tree_step_says_its_paths_and_the_chain_the_cut_continues():
+    extras = ada("cost", None, [13, 14])
+    extras["adaflash"]["chain"] = [7, 8]
+    tree = chain(4, [7, 11, 8], 1, extras)
+    tree.parents = [-1, -1, 0]  # 7 and 11 branch at the root, 8 follows 7
+    html = views_adaflash.adaflash_cut_html(tree, {7: "a", 8: "b", 11: "k"}, {})
+    assert "a tree of 2 paths" in html and "argmax chain &#x27;a&#x27; &#x27;b&#x27;" in html
+    assert "a tree of" not in views_adaflash.adaflash_cut_html(chain(5, [7, 8], 1, ada("cost", None, [13])), {}, {})
