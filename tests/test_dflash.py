@@ -86,6 +86,7 @@ def test_candidate_tree_takes_the_most_probable_paths():
     ids = torch.tensor([11, 12, 13])  # a draft vocabulary's columns name target ids
     assert candidate_tree(probs, ids, 2)[0] == DraftTree((11, 11), (-1, 0))
     assert candidate_tree(probs, None, 1)[0] == DraftTree((0,), (-1,))
+    assert candidate_tree(probs, None, 2, width=1)[0] == DraftTree.chain([0, 0])  # one token per slot: the chain
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -109,6 +110,8 @@ def test_tree_is_a_knob_of_the_methods_that_draft_trees():
     assert AdaFlashConfig().tree is True
     with pytest.raises(MethodConfigError, match="tree must be"):
         DFlashConfig(tree="yes")
+    with pytest.raises(MethodConfigError, match="tree_width must be"):
+        AdaFlashConfig(tree_width=0)
     for config in (DeLSConfig, DFlash2Config):
         with pytest.raises(TypeError):
             config(tree=True)

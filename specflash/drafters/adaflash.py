@@ -47,8 +47,8 @@ from ..trace import RunRecord, StepRecord
 from ..tree import DraftTree
 from ..verify_cost import best_cut, cached_verify_cost
 from .base import Draft
-from .dflash import (DFlashEngineDrafter, DFlashFamilyConfig, argmax_chain, candidate_tree, drafter_folder,
-                     load_dflash_model)
+from .dflash import (DFlashEngineDrafter, DFlashFamilyConfig, argmax_chain, candidate_tree, check_tree_knobs,
+                     drafter_folder, load_dflash_model)
 from .gate import GateDecision
 
 RULES = ("cost", "fixed", "heuristic", "confidence", "entropy", "head")
@@ -74,11 +74,11 @@ class AdaFlashConfig(DFlashFamilyConfig):
     # verify the cut's number of tokens as a tree of the block's most probable paths, as dflash
     # does (dflash.candidate_tree; chains on targets with recurrent layers); False: the chain
     tree: bool = True
+    tree_width: int = 4  # the top tokens per slot a tree may branch into
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.tree, bool):
-            raise MethodConfigError(f"tree must be true or false, got {self.tree!r}")
+        check_tree_knobs(self.tree, self.tree_width)
         if self.rule not in RULES:
             raise MethodConfigError(f"unknown cut rule {self.rule!r}; choose from {', '.join(RULES)}")
         if self.estimate not in ESTIMATES:
@@ -185,7 +185,7 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         ada = {"rule": self.cfg.rule, "score": score, "verify_len": keep + 1, "cut_tokens": tokens[keep:], "cut_q": q[keep:]}
         tree, q_nodes = DraftTree.chain(tokens[:keep]), q[:keep]
         if self.trees and keep:  # the same rows, the most probable paths instead of the chain
-            tree, q_nodes = candidate_tree(probs, ids, keep)
+            tree, q_nodes = candidate_tree(probs, ids, keep, self.cfg.tree_width)
             ada["chain"] = tokens[:keep]  # what the cut tokens would have followed
         return Draft(tree, q=None, q_token=q_nodes, extras={"dflash": {"block_size": self.spec.block_size}, "adaflash": ada})
 

@@ -84,11 +84,11 @@ class DFlashConfig(DFlashFamilyConfig):
     path, it drafts chains all the same (the run's config records what it drafted); false: chains."""
 
     tree: bool = True
+    tree_width: int = 4  # the top tokens per slot a tree may branch into
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.tree, bool):
-            raise MethodConfigError(f"tree must be true or false, got {self.tree!r}")
+        check_tree_knobs(self.tree, self.tree_width)
 
 
 class DFlashEngineDrafter(Drafter):
@@ -197,7 +197,7 @@ class DFlashEngineDrafter(Drafter):
         """k >= 1 drafted tokens after the context; each DFlash-family method drafts its own way."""
         # Slots 1..k of one block forward predict the next k tokens; propose their argmax as a chain.
         if self.trees:
-            tree, q = candidate_tree(*self.model.draft_probs(self.block_hidden(context)[1 : k + 1]), k)
+            tree, q = candidate_tree(*self.model.draft_probs(self.block_hidden(context)[1 : k + 1]), k, self.cfg.tree_width)
             return Draft(tree, q=None, q_token=q, extras={"dflash": {"block_size": self.spec.block_size}})
         tokens, q = argmax_chain(*self.model.draft_probs(self.block_hidden(context)[1 : k + 1]))
         return Draft(
@@ -244,6 +244,14 @@ def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[in
     best = probs.max(dim=-1)
     tokens = best.indices if ids is None else ids[best.indices]
     return tokens.tolist(), best.values.tolist()
+
+
+def check_tree_knobs(tree: object, width: object) -> None:
+    """The `tree` and `tree_width` knobs dflash and adaflash share, or a clear error."""
+    if not isinstance(tree, bool):
+        raise MethodConfigError(f"tree must be true or false, got {tree!r}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise MethodConfigError(f"tree_width must be an integer >= 1, got {width!r}")
 
 
 def candidate_tree(probs: torch.Tensor, ids: torch.Tensor | None, nodes: int, width: int = 4) -> tuple[DraftTree, list[float]]:
