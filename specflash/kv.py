@@ -42,7 +42,8 @@ class GrowingLayer(DynamicLayer):
 
     room: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.get_seq_length()
@@ -227,7 +228,9 @@ def stack_left_padded(caches: list[Cache], width: int) -> DynamicCache:
     stacked.layer_class_to_replicate = GrowingLayer
     for i in range(len(caches[0].layers)):
         rows = [(c.layers[i].keys, c.layers[i].values) for c in caches]
-        keys, values = (rows[0][j].new_zeros(len(rows), *rows[0][j].shape[1:2], width, rows[0][j].shape[3]) for j in (0, 1))
+        first_k, first_v = rows[0]
+        keys = first_k.new_zeros(len(rows), first_k.shape[1], width, first_k.shape[3])
+        values = first_v.new_zeros(len(rows), first_v.shape[1], width, first_v.shape[3])
         for b, (k, v) in enumerate(rows):
             keys[b, :, width - k.shape[2]:] = k[0]
             values[b, :, width - v.shape[2]:] = v[0]

@@ -1,12 +1,13 @@
-"""DFlash in the engine: one drafter forward per step drafts a block of argmax tokens.
+"""DFlash in the engine: one drafter forward per step drafts a block, verified as a tree of its
+most probable paths (or as its argmax chain).
 
 The engine hands the drafter the target features of every newly committed position (`observe`);
 they wait until the next `propose`, which appends their projected K/V to the drafter's context
 cache and runs the block [last committed token, MASK x (L-1)] through the drafter once. The
-drafts are argmax tokens proposed as point masses (q = None), even at temperature > 0: the
-engine's point-mass rule then keeps the output distribution exactly the target's, and argmax
-blocks are far more coherent than tokens sampled independently per position (methods.md §1.2).
-The drafter's softmax probability of each drafted token goes into the trace.
+drafts are the slots' top tokens proposed as point masses (q = None), even at temperature > 0:
+the engine's point-mass rule then keeps the output distribution exactly the target's, and
+top-token blocks are far more coherent than tokens sampled independently per position
+(methods.md §1.2). The drafter's softmax probability of each drafted token goes into the trace.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from .lookup_source import LookupSource
 
 @dataclass(frozen=True)
 class DFlashFamilyConfig:
-    """The knobs every DFlash-family method shares. The checkpoint fixes the block size L; `max_draft` (None = L - 1) caps the number
-    of drafted tokens per step, e.g. to trade acceptance for cheaper verification. `gate` lets the
+    """The knobs every DFlash-family method shares. The checkpoint fixes the block size L;
+    `max_draft` (None = L - 1) caps the number of drafted tokens per step, e.g. to trade
+    acceptance for cheaper verification. `gate` lets the
     draft gate (gate.py) shrink the draft, down to none, when recent acceptance does not pay for
     drafting on this device; it probes again every `probe_every` steps or more, and starts drafting
     again once a width is worth `switch_on` times plain decoding. `lookup` adds prompt lookup as a
@@ -195,9 +197,10 @@ class DFlashEngineDrafter(Drafter):
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         """k >= 1 drafted tokens after the context; each DFlash-family method drafts its own way."""
-        # Slots 1..k of one block forward predict the next k tokens; propose their argmax as a chain.
+        # Slots 1..k of one block forward predict the next k tokens: k nodes of their best paths, or their argmax chain.
         if self.trees:
-            tree, q = candidate_tree(*self.model.draft_probs(self.block_hidden(context)[1 : k + 1]), k, self.cfg.tree_width)
+            probs, ids = self.model.draft_probs(self.block_hidden(context)[1 : k + 1])
+            tree, q = candidate_tree(probs, ids, k, self.cfg.tree_width)
             return Draft(tree, q=None, q_token=q, extras={"dflash": {"block_size": self.spec.block_size}})
         tokens, q = argmax_chain(*self.model.draft_probs(self.block_hidden(context)[1 : k + 1]))
         return Draft(
@@ -254,9 +257,14 @@ def check_tree_knobs(tree: object, width: object) -> None:
         raise MethodConfigError(f"tree_width must be an integer >= 1, got {width!r}")
 
 
-def candidate_tree(probs: torch.Tensor, ids: torch.Tensor | None, nodes: int, width: int = 4) -> tuple[DraftTree, list[float]]:
+def candidate_tree(probs: torch.Tensor, ids: torch.Tensor | None, nodes: int,
+                   width: int = 4) -> tuple[DraftTree, list[float]]:
     """The `nodes` most probable paths through the slots' top `width` tokens, as a draft tree,
-    and each node's probability. A path scores the product of its slots' probabilities."""
+    and each node's probability. Why: a block's slots are scored in one forward, so each offers
+    its runners-up for free, and where the argmax at a slot is doubtful a sibling is worth more
+    than one more token deep. A path scores the product of its slots' probabilities (as if the
+    slots were independent: a runner-up's successors were scored as if the argmax came first);
+    best-first, so a path enters only after its parent, and every kept path's prefix is kept."""
     top = probs.topk(min(width, probs.shape[-1]), dim=-1)
     p = top.values.tolist()
     tok = (top.indices if ids is None else ids[top.indices]).tolist()
