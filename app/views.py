@@ -232,6 +232,11 @@ def stats_markdown(run: RunRecord) -> str:
     return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
+def leaf_count(parents: Sequence[int]) -> int:
+    """How many paths a draft tree (its parent list) holds: 1 for a chain, 0 for no draft."""
+    return len(set(range(len(parents))) - set(parents))
+
+
 def node_status(step: StepRecord) -> list[str]:
     """Per draft node: accepted, rejected (verified and refused), or unverified (below a refusal)."""
     accepted = set(step.accepted)
@@ -259,7 +264,7 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float 
     if not step.tokens:
         return f"{why}No draft this step: {tail}."
     n, a = len(step.tokens), step.accepted_len
-    leaves = len(set(range(n)) - set(step.parents))
+    leaves = leaf_count(step.parents)
     drafted = f"{n} drafted" if leaves == 1 else f"{n} drafted on {leaves} branches of a tree (the parent column)"
     if step.correction_kind == "bonus":
         return f"{why}All {a} drafted tokens on the path were accepted (of {drafted}): {tail}."

@@ -22,7 +22,8 @@ import plotly.graph_objects as go
 from specflash.drafters.adaflash import AdaFlashConfig
 from specflash.trace import RunRecord, StepRecord
 
-from .views import ORIGINS, STATUS_COLOURS, gate_idle_share, lookup_note, lookup_share, node_status, token_text
+from .views import (ORIGINS, STATUS_COLOURS, gate_idle_share, leaf_count, lookup_note, lookup_share, node_status,
+                    token_text)
 
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AdaFlashConfig)}
 WHAT_IT_SHOWS = (
@@ -212,7 +213,7 @@ def _cut_sentence(cut: Cut) -> str:
 def _tree_sentence(step: StepRecord, texts: Mapping[int, str]) -> str:
     """For a step verified as a tree: how many paths, and which chain the cut tokens continue."""
     chain = step.extras["adaflash"].get("chain")
-    paths = len(set(range(len(step.tokens))) - set(step.parents))
+    paths = leaf_count(step.parents)
     if chain is None or paths == 1:
         return ""
     words = " ".join(html.escape(repr(token_text(texts, t))) for t in chain)

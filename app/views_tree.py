@@ -25,7 +25,7 @@ from plotly.subplots import make_subplots
 from specflash.drafters.ptd import PRESETS
 from specflash.trace import StepRecord
 
-from .views import STATUS_COLOURS, node_status, token_text
+from .views import STATUS_COLOURS, leaf_count, node_status, token_text
 
 STATUS_MEANING = {
     "accepted": "verified and accepted: committed",
@@ -157,7 +157,7 @@ class Placed:
 
     @property
     def leaves(self) -> int:
-        return len(set(range(len(self.parents))) - set(self.parents)) if self.parents else 1
+        return leaf_count(self.parents) or 1  # the root alone still takes a column
 
 
 def place_tree(tokens: Sequence[int], parents: Sequence[int], texts: Mapping[int, str], root: int | None) -> Placed:

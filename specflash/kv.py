@@ -83,6 +83,13 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
+def _growing_cache() -> DynamicCache:
+    """An empty cache whose attention layers, created as the model fills them, are GrowingLayers."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache
+
+
 def new_cache(config: PretrainedConfig) -> DynamicCache:
     """A cache with the model's own recurrent layers, where it has any, and full-length attention
     layers everywhere else, sliding-window layers included: a sliding cache layer drops what
@@ -90,9 +97,7 @@ def new_cache(config: PretrainedConfig) -> DynamicCache:
     window). Its plain attention layers grow in place (GrowingLayer)."""
     cache = DynamicCache(config=config)
     if not is_recurrent(cache):
-        cache = DynamicCache()  # plain attention: layers created as the model fills them
-        cache.layer_class_to_replicate = GrowingLayer
-        return cache
+        return _growing_cache()  # plain attention: layers created as the model fills them
     cache.layers = [_full_length(layer) for layer in cache.layers]
     return cache
 
@@ -224,8 +229,7 @@ def stack_left_padded(caches: list[Cache], width: int) -> DynamicCache:
     tokens instead of the batch's longest."""
     if any(is_recurrent(c) for c in caches):
         raise ValueError("recurrent states cannot be stacked from separate prefills: prefill the batch together")
-    stacked = DynamicCache()
-    stacked.layer_class_to_replicate = GrowingLayer
+    stacked = _growing_cache()
     for i in range(len(caches[0].layers)):
         rows = [(c.layers[i].keys, c.layers[i].values) for c in caches]
         first_k, first_v = rows[0]
