@@ -30,21 +30,27 @@ def test_match_says_how_long_the_ngram_was():
     assert lookup([5, 6, 7, 8, 9, 5, 6, 7], cfg, 8) == [8, 9, 5]
 
 
+def _offer(source: LookupSource, context: list[int], room: int, cost: list[float], against: float):
+    """find then offer, as the drafter does each step: None where nothing matched or it did not pay."""
+    found = source.find(context, room)
+    return None if found is None else source.offer(found, cost, against)
+
+
 def test_offer_beats_the_drafter_or_stays_out():
     source = LookupSource(depth=4)
     context = [5, 6, 7, 8, 9, 1, 5, 6, 7]  # the last 3 tokens occurred before, followed by 8 9 1 5
     source.accept[3] = [0.9] * 4
-    offer = source.offer(context, room=4, cost=[1.0] * 5, against=1.2)
+    offer = _offer(source, context, room=4, cost=[1.0] * 5, against=1.2)
     assert offer is not None and offer.tokens == [8, 9, 1, 5] and offer.ngram == 3
     assert offer.value == pytest.approx(chain_value([0.9] * 4, 4, [1.0] * 5)) and offer.against == 1.2
-    assert source.offer(context, room=2, cost=[1.0] * 5, against=1.2).tokens == [8, 9]
+    assert _offer(source, context, room=2, cost=[1.0] * 5, against=1.2).tokens == [8, 9]
     source.accept[3] = [0.9, 0.5, 0.2, 0.2]  # past two tokens the continuation is rarely right
-    assert source.offer(context, room=4, cost=[1.0] * 5, against=1.0).tokens == [8, 9, 1, 5]
-    assert source.offer(context, room=4, cost=STEEP, against=1.0).tokens == [8, 9]  # not worth verifying on CPU
-    assert source.offer(context, room=4, cost=[1.0] * 5, against=offer.value) is None
+    assert _offer(source, context, room=4, cost=[1.0] * 5, against=1.0).tokens == [8, 9, 1, 5]
+    assert _offer(source, context, room=4, cost=STEEP, against=1.0).tokens == [8, 9]  # not worth verifying on CPU
+    assert _offer(source, context, room=4, cost=[1.0] * 5, against=offer.value) is None
     source.accept[3] = [0.05] * 4
-    assert source.offer(context, room=4, cost=STEEP, against=1.0) is None
-    assert source.offer([1, 2, 3], room=4, cost=[1.0] * 5, against=0.0) is None  # no match at all
+    assert _offer(source, context, room=4, cost=STEEP, against=1.0) is None
+    assert source.find([1, 2, 3], room=4) is None  # no match at all
 
 
 def test_every_continuation_is_scored_against_what_the_target_commits():
@@ -52,7 +58,7 @@ def test_every_continuation_is_scored_against_what_the_target_commits():
     commits tokens, up to its first miss, into the estimates of its match length only."""
     source = LookupSource(depth=3, smoothing=0.5)
     context = [5, 6, 7, 8, 9, 1, 5, 6, 7]  # continuation 8 9 1 after a 3-gram match
-    assert source.offer(context, room=3, cost=STEEP, against=100.0) is None  # not drafted: too dear
+    assert _offer(source, context, room=3, cost=STEEP, against=100.0) is None  # not drafted: too dear
     source.committed(context + [8])
     assert source.accept[3] == [0.75, None, None]  # from the prior of 0.5
     source.committed(context + [8, 0])  # the second token missed: the third says nothing
@@ -60,9 +66,9 @@ def test_every_continuation_is_scored_against_what_the_target_commits():
     assert source.accept[3] == [0.75, 0.5 * 0.75, None] and source.pending == []
     assert source.accept[1] == [None] * 3 and source.accept[2] == [None] * 3
     context += [8, 9, 1]
-    offer = source.offer(context, room=3, cost=[1.0] * 4, against=1.0)
+    offer = _offer(source, context, room=3, cost=[1.0] * 4, against=1.0)
     assert offer is not None and offer.ngram == 3 and offer.tokens == [5, 6, 7]
-    source.offer(context + [5], room=3, cost=[1.0] * 4, against=1.0)  # the next step's continuation: 6 7 8
+    _offer(source, context + [5], room=3, cost=[1.0] * 4, against=1.0)  # the next step's continuation: 6 7 8
     source.committed(context + [5, 6, 7, 8])  # both right all the way
     assert source.accept[3] == pytest.approx([0.9375, 0.84375, 0.921875]) and source.pending == []
 

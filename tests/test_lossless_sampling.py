@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specflash.config import DraftModelConfig, PromptLookupConfig, SamplingConfig
 from specflash.drafters.base import Draft, Drafter
-from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, verify_rows
 from specflash.drafters.dflash2 import DFlash2Config, DFlash2EngineDrafter
 from specflash.drafters.draft_model import DraftModelDrafter
 from specflash.drafters.gate import DraftGate
@@ -80,17 +80,21 @@ class TwoBranchDrafter(Drafter):
 
 
 def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool,
-            dtype: torch.dtype = torch.float32, lookup: bool = False, tree: bool = False) -> DFlashEngineDrafter:
+            dtype: torch.dtype = torch.float32, lookup: bool = False, tree: bool = False,
+            lookup_rate: float = 0.95) -> DFlashEngineDrafter:
     """A random DFlash drafter over the 8-token vocabulary, optionally with a reduced draft
     vocabulary, the draft gate (a flat verify cost, so the gate keeps drafting), prompt lookup
-    beside it, computing in another dtype than the float32 target, or drafting trees."""
+    beside it (its estimates primed at `lookup_rate`), computing in another dtype than the float32
+    target, or drafting trees (with the gate: always)."""
     spec = DFlashSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                       vocab_size=V, block_size=3, num_target_layers=1, target_layer_ids=(0,), mask_token_id=V - 1)
     model = new_drafter(spec, target, None if draft_ids is None else torch.tensor(draft_ids))
     model.init_weights(torch.Generator().manual_seed(3), std=0.5)
     model.to(dtype)
     if gate:
-        return _PrimedGateDrafter(model.eval(), DFlashConfig(gate=True, lookup=lookup), [1.0] * 4)
+        drafter = _PrimedGateDrafter(model.eval(), DFlashConfig(gate=True, lookup=lookup), [1.0] * verify_rows(3))
+        drafter.lookup_rate = lookup_rate
+        return drafter
     return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=False, tree=tree))
 
 
@@ -99,12 +103,15 @@ class _PrimedGateDrafter(DFlashEngineDrafter):
     cost, not timings), so that in these 3-token runs it drafts from the first step and its widths
     follow the sampled acceptances: the case where gating could bias the output."""
 
+    lookup_rate = 0.95  # where prompt lookup's estimates start
+
     def begin(self, prompt_ids, sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
         self.gate = DraftGate(self.cost, self.draft_len, draft_cost=0.0)
         self.gate.accept = [0.9] * self.draft_len
-        if self.lookups is not None:  # a two-token lookup draft (worth 2.85) beats the drafter's (2.71)
-            self.lookups.accept = {n: [0.95] * self.draft_len for n in self.lookups.accept}
+        if self.lookups is not None:  # at 0.95 a two-token lookup draft (worth 2.85) beats the drafter's (2.71);
+            # at 0.6 (1.96) it does not, and joins the drafter's tree instead (worth 0.6 * 0.1 more for a free row)
+            self.lookups.accept = {n: [self.lookup_rate] * self.draft_len for n in self.lookups.accept}
 
 
 def _dflash2(target: TargetModel) -> DFlash2EngineDrafter:
@@ -134,6 +141,7 @@ def _methods(target):
         "dflash-d2t": lambda: _dflash(target, [0, 2, 3, 5], gate=False),
         "dflash-gated": lambda: _dflash(target, None, gate=True),
         "dflash-lookup": lambda: _dflash(target, None, gate=True, lookup=True),
+        "dflash-graft": lambda: _dflash(target, None, gate=True, lookup=True, lookup_rate=0.6),
         "dflash-bf16": lambda: _dflash(target, [0, 2, 3, 5], gate=False, dtype=torch.bfloat16),
         "dflash-tree": lambda: _dflash(target, None, gate=False, tree=True),
         "dflash2": lambda: _dflash2(target),
@@ -145,7 +153,7 @@ def _tv(counts: dict, exact: dict, n: int) -> float:
 
 
 @pytest.mark.parametrize("method", ["ar", "draft", "draft-self", "pld", "tree", "dflash-d2t", "dflash-gated", "dflash-bf16",
-                                    "dflash2", "dflash-lookup", "dflash-tree"])
+                                    "dflash2", "dflash-lookup", "dflash-graft", "dflash-tree"])
 def test_sampled_output_follows_target(target, method):
     exact = _exact(target)
     joint23: dict = {}
@@ -156,12 +164,13 @@ def test_sampled_output_follows_target(target, method):
     build = _methods(target)[method]
     seen23: dict = {}
     seen3: dict = {}
-    drafted = looked_up = 0
+    drafted = looked_up = grafted = 0
     for seed in range(RUNS):
         dec = Decoding(target, build(), PROMPT, SamplingConfig(seed=seed, **SAMPLING), max_new_tokens=3)
         steps = list(dec)
         drafted += sum(len(s.tokens) for s in steps)
         looked_up += sum("lookup" in s.extras for s in steps)
+        grafted += sum("graft" in s.extras for s in steps)
         out = tuple(dec.output)
         assert len(out) == 3
         seen23[out[1:]] = seen23.get(out[1:], 0) + 1
@@ -169,6 +178,7 @@ def test_sampled_output_follows_target(target, method):
     if method != "ar":
         assert drafted > RUNS // 2, "the method should actually draft"
     assert (looked_up > RUNS // 4) == (method == "dflash-lookup"), "lookup drafts when asked to, and only then"
+    assert (grafted > RUNS // 4) == (method == "dflash-graft"), "lookup joins trees where it pays, and only then"
     assert _tv(seen23, joint23, RUNS) < 0.16
     assert _tv(seen3, marg3, RUNS) < 0.07
     assert set(itertools.chain(seen3)) <= set(range(V))

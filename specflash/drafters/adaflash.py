@@ -48,8 +48,9 @@ from ..tree import DraftTree
 from ..verify_cost import best_cut, cached_verify_cost
 from .base import Draft
 from .dflash import (DFlashEngineDrafter, DFlashFamilyConfig, argmax_chain, candidate_tree, check_tree_knobs,
-                     drafter_folder, load_dflash_model)
+                     drafter_folder, load_dflash_model, verify_rows)
 from .gate import GateDecision
+from .lookup_graft import own_share
 
 RULES = ("cost", "fixed", "heuristic", "confidence", "entropy", "head")
 ESTIMATES = ("confidence", "head")
@@ -75,10 +76,11 @@ class AdaFlashConfig(DFlashFamilyConfig):
     # does (dflash.candidate_tree; chains on targets with recurrent layers); False: the chain
     tree: bool = True
     tree_width: int = 4  # the top tokens per slot a tree may branch into
+    graft_lookup: bool = True  # prompt lookup's continuation joins the tree as a branch (lookup_graft.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_tree_knobs(self.tree, self.tree_width)
+        check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
         if self.rule not in RULES:
             raise MethodConfigError(f"unknown cut rule {self.rule!r}; choose from {', '.join(RULES)}")
         if self.estimate not in ESTIMATES:
@@ -192,7 +194,8 @@ class AdaFlashDrafter(DFlashEngineDrafter):
     def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
         super().verified(draft, logits, path, committed)
         if self.cfg.rule == "heuristic" and len(draft.tree) and "lookup" not in draft.extras:
-            self.window = self.window + 2 if len(path) == max(draft.tree.depths()) else max(1, self.window - 1)
+            depth, accepted = own_share(draft.tree, draft.extras, path)
+            self.window = self.window + 2 if accepted == depth else max(1, self.window - 1)
 
     def config_dict(self) -> dict[str, Any]:
         return {**super().config_dict(), **asdict(self.cfg), "tree": self.trees}  # what it drafted
@@ -208,7 +211,7 @@ def build(target, cfg: AdaFlashConfig, drafter: str | None, cache_dir: Path | No
     head = load_length_head(drafter_folder(str(drafter)), model.spec.hidden_size)
     cost = None
     if cfg.rule == "cost" or cfg.gate:
-        cost = cached_verify_cost(target, model.spec.block_size, cache_dir or default_cache_dir())
+        cost = cached_verify_cost(target, verify_rows(model.spec.block_size), cache_dir or default_cache_dir())
     return AdaFlashDrafter(model, cfg, cost, head)
 
 

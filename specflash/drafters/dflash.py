@@ -29,7 +29,8 @@ from ..trace import ROOT
 from ..tree import DraftTree
 from .base import Draft, Drafter
 from .gate import DraftGate, GateDecision
-from .lookup_source import LookupSource
+from .lookup_graft import graft, own_share
+from .lookup_source import Continuation, LookupSource
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,17 @@ class DFlashConfig(DFlashFamilyConfig):
     """DFlash's knobs: the family's, and `tree`: verify the drafter's most probable paths through
     each slot's top tokens as a tree (candidate_tree), as many nodes as the chain would have had
     tokens, instead of the argmax chain; on a target with recurrent layers, whose state keeps one
-    path, it drafts chains all the same (the run's config records what it drafted); false: chains."""
+    path, it drafts chains all the same (the run's config records what it drafted); false: chains.
+    `graft_lookup`: where a tree is drafted and prompt lookup is on, its continuation joins the
+    tree as a branch, as far as it pays (lookup_graft.py)."""
 
     tree: bool = True
     tree_width: int = 4  # the top tokens per slot a tree may branch into
+    graft_lookup: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_tree_knobs(self.tree, self.tree_width)
+        check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
 
 
 class DFlashEngineDrafter(Drafter):
@@ -147,32 +151,41 @@ class DFlashEngineDrafter(Drafter):
         return draft
 
     def verified(self, draft: Draft, logits: torch.Tensor, path: list[int], committed: list[int]) -> None:
-        if self.gate is not None:
-            self.gate.verified(max(draft.tree.depths(), default=0), len(path))
+        if self.gate is not None:  # the gate estimates the drafter's acceptance: grafted lookup nodes are not its
+            self.gate.verified(*own_share(draft.tree, draft.extras, path), rows=len(draft.tree) + 1)
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_len: int) -> Draft:
         """The gate fixes the width k; `draft_block` drafts it (nothing at all when k is 0), or
-        a shadow draft is kept for the gate to score and nothing is verified."""
+        a shadow draft is kept for the gate to score and nothing is verified. Prompt lookup's
+        continuation, when there is one, is drafted instead where it is worth more, or grafted
+        onto a drafted tree as far as it pays."""
         started = time.perf_counter()
         k, decision = self.step_width(context, max_len)
-        lookup = self.lookup_draft(context, max_len)
+        found = self.continuation(context, max_len)
+        lookup = self.lookup_draft(found, max_len) if found is not None else None
         if lookup is not None:
             return self.gated(*lookup, started)
         if decision is not None and decision.state == "shadow":
             draft = self.shadow(context, k)
         else:
             draft = self.draft_block(context, k) if k > 0 else Draft.empty()
+        if found is not None and self.trees and getattr(self.cfg, "graft_lookup", False):
+            draft = graft(draft, found, self.gate.rates(), self.gate.cost, self.gate.drafting_cost(k))
         return self.gated(draft, decision, started)
 
-    def lookup_draft(self, context: list[int], max_len: int) -> tuple[Draft, GateDecision] | None:
-        """Prompt lookup's draft and the decision that picked it, when lookup is on and its
-        continuation is worth more this step than anything the gate would do with the drafter
-        (never on a step the gate keeps plain to time it)."""
+    def continuation(self, context: list[int], max_len: int) -> Continuation | None:
+        """Prompt lookup's continuation this step, where lookup is on and the gate does not keep
+        the step plain to time it."""
         if self.lookups is None or self.gate.wants_plain_step:
             return None
+        return self.lookups.find(context, min(self.draft_len, max_len))
+
+    def lookup_draft(self, found: Continuation, max_len: int) -> tuple[Draft, GateDecision] | None:
+        """Prompt lookup's draft and the decision that picked it, when its continuation is worth
+        more this step than anything the gate would do with the drafter."""
         room = min(self.draft_len, max_len)
-        offer = self.lookups.offer(context, room, self.gate.cost, self.gate.best_value(room))
+        offer = self.lookups.offer(found, self.gate.cost, self.gate.best_value(room))
         if offer is None:
             return None
         n, width = offer.ngram, len(offer.tokens)
@@ -249,10 +262,11 @@ def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[in
     return tokens.tolist(), best.values.tolist()
 
 
-def check_tree_knobs(tree: object, width: object) -> None:
-    """The `tree` and `tree_width` knobs dflash and adaflash share, or a clear error."""
-    if not isinstance(tree, bool):
-        raise MethodConfigError(f"tree must be true or false, got {tree!r}")
+def check_tree_knobs(tree: object, width: object, graft_lookup: object) -> None:
+    """The `tree`, `tree_width` and `graft_lookup` knobs dflash and adaflash share, or a clear error."""
+    for name, value in (("tree", tree), ("graft_lookup", graft_lookup)):
+        if not isinstance(value, bool):
+            raise MethodConfigError(f"{name} must be true or false, got {value!r}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise MethodConfigError(f"tree_width must be an integer >= 1, got {width!r}")
 
@@ -344,7 +358,13 @@ def gate_cost(target, cfg: DFlashConfig, block_size: int, cache_dir: Path | None
     from ..models.acquire import default_cache_dir
     from ..verify_cost import cached_verify_cost
 
-    return cached_verify_cost(target, block_size, cache_dir or default_cache_dir()) if cfg.gate else None
+    return cached_verify_cost(target, verify_rows(block_size), cache_dir or default_cache_dir()) if cfg.gate else None
+
+
+def verify_rows(block_size: int) -> int:
+    """The widest forward a DFlash-family step may verify: the root, a block's drafted nodes and
+    a grafted lookup continuation as long (lookup_graft.py): the length of cost curve it reads."""
+    return 2 * block_size - 1
 
 
 def load_dflash_model(target, drafter: str | None, method: str, dtype: str = "target") -> DFlashDrafter:

@@ -233,10 +233,12 @@ class DraftGate:
             self.since_probe = 0
         self._pending = decision
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        """After verification: `drafted` tokens were verified, the first `accepted` of them kept."""
+    def verified(self, drafted: int, accepted: int, rows: int | None = None) -> None:
+        """After verification: a chain `drafted` deep was verified (a tree's depth), the first
+        `accepted` of its positions kept; `rows` the forward fed (a tree: its nodes and the root;
+        by default drafted + 1), by which the step is timed."""
         if self._last is not None:
-            self._last = (self._last[0], self._last[1], drafted + 1)
+            self._last = (self._last[0], self._last[1], drafted + 1 if rows is None else rows)
         if self._pending.state != "lookup":
             observe_chain(self.accept, drafted, accepted, self.smoothing)
         if drafted and self._pending.state == "probe":

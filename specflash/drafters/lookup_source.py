@@ -34,6 +34,16 @@ from .prompt_lookup import lookup_match
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """What followed the last earlier occurrence of the context's tail: its tokens, the length of
+    the n-gram that matched, and the acceptance estimates per position for that length."""
+
+    tokens: list[int]
+    ngram: int
+    rates: list[float]
+
+
+@dataclass(frozen=True)
 class LookupOffer:
     """A lookup draft worth more than the drafter's this step: its tokens, the length of the
     n-gram that matched, the value of its width and of the drafter's best choice."""
@@ -59,22 +69,25 @@ class LookupSource:
         """Acceptance estimates per position of a continuation found by an n-gram match."""
         return chain_rates(self.accept[ngram])
 
-    def offer(self, context: list[int], room: int, cost: Sequence[float], against: float) -> LookupOffer | None:
-        """The lookup draft to verify instead of the drafter's, at its best width, when one is worth
-        more than `against` (the drafter's best value, 1.0 being plain decoding); else None. Call
-        once per step with the whole context: it also scores the continuations found before."""
+    def find(self, context: list[int], room: int) -> Continuation | None:
+        """This step's continuation, at most `room` tokens, or None where the context's tail never
+        occurred before. Call once per step with the whole context: it also scores the
+        continuations found before, and this one from the next step on."""
         self.committed(context)
         tokens, ngram = lookup_match(context, self.cfg, self.cfg.k)
         if not tokens:
             return None
         self.pending.append((len(context), tokens, ngram, 0))
-        rates = self.rates(ngram)
-        tokens = tokens[:room]
-        values = [chain_value(rates, m, cost) for m in range(len(tokens) + 1)]
+        return Continuation(tokens[:room], ngram, self.rates(ngram)) if room > 0 else None
+
+    def offer(self, found: Continuation, cost: Sequence[float], against: float) -> LookupOffer | None:
+        """The continuation to verify instead of the drafter's draft, at its best width, when one is
+        worth more than `against` (the drafter's best value, 1.0 being plain decoding); else None."""
+        values = [chain_value(found.rates, m, cost) for m in range(len(found.tokens) + 1)]
         width = max(range(len(values)), key=lambda m: (values[m], -m))
         if width == 0 or values[width] <= against:
             return None
-        return LookupOffer(tokens[:width], ngram, values[width], against)
+        return LookupOffer(found.tokens[:width], found.ngram, values[width], against)
 
     def committed(self, context: list[int]) -> None:
         """Score each pending continuation against the tokens committed after it, one position at

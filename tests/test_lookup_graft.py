@@ -1,0 +1,137 @@
+"""Prompt lookup grafted onto the drafter's tree: the tree operation, how much is grafted, what the
+gate is told, and that output stays exactly greedy."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import LOSSLESS_ARCHS, hf_greedy
+from specflash.api import generate
+from specflash.drafters.adaflash import AdaFlashConfig, AdaFlashDrafter
+from specflash.drafters.base import Draft
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, verify_rows
+from specflash.drafters.gate import DraftGate
+from specflash.drafters.lookup_graft import graft, graft_width, own_share, survival
+from specflash.drafters.lookup_source import Continuation
+from specflash.errors import MethodConfigError
+from specflash.trace import ROOT
+from specflash.tree import DraftTree
+from test_draft_vocab import vocab_drafter
+from test_lookup_source import _looping
+
+FLAT = [1.0] * 15
+# a tree: 5 -> 6 -> 7 and a sibling 8 of 6
+TREE = DraftTree((5, 6, 8, 7), (ROOT, 0, 0, 1))
+
+
+def test_chain_follows_the_tree_then_branches_off():
+    grown, shared = TREE.with_chain([5, 8, 9, 10])
+    assert shared == 2
+    assert grown.tokens == (5, 6, 8, 7, 9, 10) and grown.parents == (ROOT, 0, 0, 1, 2, 4)
+    grown, shared = TREE.with_chain([4, 5])
+    assert shared == 0 and grown.parents[4:] == (ROOT, 4) and grown.tokens[4:] == (4, 5)
+    assert TREE.with_chain([5, 6, 7]) == (TREE, 3)
+    assert TREE.with_chain([]) == (TREE, 0)
+    assert DraftTree((), ()).with_chain([3, 4]) == (DraftTree.chain([3, 4]), 0)
+
+
+def test_graft_width_weighs_each_row_against_what_it_adds():
+    tree, look = [0.5, 0.25], [0.9, 0.81, 0.729]
+    assert survival([0.5, 0.5, 0.5], 2) == [0.5, 0.25]
+    assert graft_width(tree, look, shared=0, nodes=2, cost=FLAT) == 3  # free rows: all of it
+    assert graft_width(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 5, 5, 5]) == 0  # a row costs 4 more steps
+    # one more row costs 0.1: the first token adds 0.9 * (1 - 0.5) = 0.45 over 1.75, worth it; the
+    # second 0.81 * 0.75 = 0.61 for another 0.1, worth it; the third 0.73 for 3.0x: (2.81 + 0.73) / 4.3 < 2.81 / 1.3
+    assert graft_width(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 1.1, 1.2, 4.3]) == 2
+    assert graft_width(tree, look, shared=1, nodes=2, cost=[1, 1, 1, 1.1]) == 2  # its first token is in the tree
+    assert graft_width(tree, look, shared=3, nodes=2, cost=FLAT) == 0  # nothing new
+    assert graft_width(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 1]) == 1  # the curve ends at 4 rows
+
+
+def test_graft_appends_after_the_drafters_nodes_and_says_so():
+    draft = Draft(TREE, q_token=[0.9, 0.5, 0.3, 0.4], extras={"dflash": {"block_size": 8}})
+    found = Continuation([5, 8, 9, 10], ngram=3, rates=[0.9] * 4)
+    out = graft(draft, found, tree_rates=[0.5] * 7, cost=FLAT)
+    assert out.tree.tokens == (5, 6, 8, 7, 9, 10) and out.q_token == [0.9, 0.5, 0.3, 0.4, None, None]
+    assert out.extras["graft"] == {"tokens": [5, 8, 9, 10], "ngram": 3, "shared": 2, "first_node": 4}
+    assert out.extras["dflash"] == {"block_size": 8}
+    # the accepted path 5 -> 8 -> 9: two of its nodes were the drafter's, whose own nodes reach depth 3
+    assert own_share(out.tree, out.extras, [0, 2, 4]) == (3, 2)
+    assert own_share(TREE, {}, [0, 1]) == (3, 2)
+    assert graft(draft, found, tree_rates=[0.5] * 7, cost=[1, 1, 1, 1, 1, 9, 9, 9]) is draft  # not worth a row
+    assert graft(Draft.empty(), found, [0.5] * 7, FLAT).tree == DraftTree((), ())  # nothing drafted: nothing grafted
+
+
+def test_graft_knob_is_checked():
+    with pytest.raises(MethodConfigError, match="graft_lookup must be"):
+        DFlashConfig(graft_lookup="yes")
+    with pytest.raises(MethodConfigError, match="graft_lookup must be"):
+        AdaFlashConfig(graft_lookup=1)
+    assert DFlashConfig().graft_lookup and AdaFlashConfig().graft_lookup
+    assert verify_rows(8) == 15
+
+
+class _Recorder(DraftGate):
+    """A gate that keeps what each verification told it."""
+
+    def verified(self, drafted: int, accepted: int, rows: int | None = None) -> None:
+        self.told.append((drafted, accepted, rows))
+        super().verified(drafted, accepted, rows)
+
+
+@pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
+@pytest.mark.parametrize("method", ["dflash", "adaflash"])
+def test_grafted_trees_stay_greedy_and_the_gate_hears_the_drafters_part(tiny_targets, arch, method, monkeypatch):
+    """A drafter that knows only part of the text of a target that repeats itself: lookup's
+    continuations join its trees, grafted nodes get accepted, the output is exactly greedy, and
+    the gate is told the drafter's own depth and acceptance, and every row the forward verified."""
+    import specflash.drafters.dflash as dflash_module
+
+    told: list = []
+
+    def recorder(*args, **kwargs):
+        gate = _Recorder(*args, **{**kwargs, "draft_cost": 0.0})
+        gate.told = told
+        return gate
+
+    monkeypatch.setattr(dflash_module, "DraftGate", recorder)
+    period = [11, 42, 7, 93, 25, 60]
+    target = _looping(tiny_targets[arch], period)
+    prompt_ids = period * 2 + period[:2]
+    reference = hf_greedy(target, prompt_ids, 40)
+    model = vocab_drafter(target, [11, 42, 7, 93], feature_layers=(1,))
+    cls, cfg = {"dflash": (DFlashEngineDrafter, DFlashConfig()),
+                "adaflash": (AdaFlashDrafter, AdaFlashConfig(rule="fixed", fixed_len=7))}[method]
+
+    class Doubting(cls):  # lookup alone never beats the drafter, so what lookup adds comes by grafts
+        def begin(self, prompt_ids, sampling, generator) -> None:
+            super().begin(prompt_ids, sampling, generator)
+            self.lookups.accept = {n: [0.6] * len(r) for n, r in self.lookups.accept.items()}
+            self.gate.accept = [0.9] * self.draft_len
+
+    run = generate(target, prompt_ids, drafter=Doubting(model, cfg, FLAT), max_new_tokens=40)
+    assert run.output_ids == reference
+    grafted = [s for s in run.steps if "graft" in s.extras]
+    assert grafted and all("lookup" not in s.extras for s in grafted)
+    first = [s.extras["graft"]["first_node"] for s in grafted]
+    assert sum(any(node >= f for node in s.accepted) for s, f in zip(grafted, first)) >= 1
+    verified = [s for s in run.steps[1:] if s.tokens]
+    assert len(told) == len(run.steps) - 1
+    for step, (depth, accepted, rows) in zip(run.steps[1:], told):
+        if step.tokens:
+            tree = DraftTree(tuple(step.tokens), tuple(step.parents))
+            assert (depth, accepted) == own_share(tree, step.extras, step.accepted) and rows == len(step.tokens) + 1
+    assert verified
+
+
+def test_no_graft_without_trees_or_when_switched_off(tiny_targets):
+    """Chains stay chains (tree=false), and graft_lookup=false keeps the drafter's tree as drafted."""
+    period = [11, 42, 7, 93, 25, 60]
+    target = _looping(tiny_targets["qwen3"], period)
+    prompt_ids = period * 2 + period[:2]
+    model = vocab_drafter(target, [11, 42, 7, 93], feature_layers=(1,))
+    for cfg in (DFlashConfig(tree=False), DFlashConfig(graft_lookup=False)):
+        drafter = DFlashEngineDrafter(model, cfg, FLAT)
+        run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=30)
+        assert run.output_ids == hf_greedy(target, prompt_ids, 30)
+        assert not any("graft" in s.extras for s in run.steps)
