@@ -266,6 +266,12 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float 
     n, a = len(step.tokens), step.accepted_len
     leaves = leaf_count(step.parents)
     drafted = f"{n} drafted" if leaves == 1 else f"{n} drafted on {leaves} branches of a tree (the parent column)"
+    graft = step.extras.get("graft")
+    if graft:
+        first = graft["first_node"]
+        nodes = f"node {first} is" if first == n - 1 else f"nodes {first}-{n - 1} are"
+        drafted += (f"; {nodes} prompt lookup's continuation (the last {graft['ngram']} token(s) occurred earlier), "
+                    "grafted onto the drafter's tree")
     if step.correction_kind == "bonus":
         return f"{why}All {a} drafted tokens on the path were accepted (of {drafted}): {tail}."
     return f"{why}Verification stopped after {a} accepted token(s) of {drafted}: {tail}."
@@ -336,12 +342,14 @@ def step_table_html(step: StepRecord, texts: Mapping[int, str], temperature: flo
     columns = ["node", "parent", "token", "q (draft)", "p (target)"] + ([] if greedy else ["min(1,p/q)"]) + ["status"]
     head = "<tr>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>"
     rows = []
+    grafted = step.extras.get("graft", {}).get("first_node", len(step.tokens))  # prompt lookup's nodes from here
     for i, (token, parent, status) in enumerate(zip(step.tokens, step.parents, node_status(step))):
         q = step.q[i] if step.q is not None else None
         ratio = "" if greedy else f"<td>{_fmt(accept_probability(step.p[i], q, point_mass))}</td>"
         rows.append(
             f'<tr class="node-{status}"><td>{i}</td><td>{"root" if parent < 0 else parent}</td>'
-            f"<td><code>{html.escape(repr(token_text(texts, token)))}</code></td><td>{_fmt(q)}</td>"
+            f"<td><code>{html.escape(repr(token_text(texts, token)))}</code></td>"
+            f"<td>{'prompt lookup' if i >= grafted else _fmt(q)}</td>"
             f"<td>{_fmt(step.p[i])}</td>{ratio}"
             f'<td style="color:{STATUS_COLOURS[status]};font-weight:600">{status}</td></tr>'
         )

@@ -20,8 +20,9 @@ from typing import Any, Mapping, Sequence
 import plotly.graph_objects as go
 
 from specflash.trace import RunRecord, StepRecord
+from specflash.tree import DraftTree
 
-from .views import STATUS_COLOURS, gate_idle_share, lookup_note, lookup_share, node_status, token_text
+from .views import STATUS_COLOURS, gate_idle_share, leaf_count, lookup_note, lookup_share, node_status, token_text
 
 SOURCES = (("long", "long expert (DFlash, whole context)", "#3366cc"),
            ("short", "short expert (local head, recent tokens)", "#ff9900"),
@@ -92,13 +93,16 @@ def step_positions(step: StepRecord) -> list[Position]:
         return []
     status = node_status(step)
     alternatives = dels.get("alternatives") or [[] for _ in dels["long"]]
+    chain = dels.get("chain", step.tokens)[: len(dels["long"])]
+    # a tree step holds the fused chain's first positions as a path; the rest gave way to siblings
+    nodes = DraftTree(tuple(step.tokens), tuple(step.parents)).follow(list(chain))
     out = []
-    for i, token in enumerate(step.tokens[: len(dels["long"])]):
+    for i, token in enumerate(chain):
         drafted = Candidate(token, dels["long"][i], dels["short"][i], dels["prior"][i])
         rivals = [_candidate(a) for a in alternatives[i] if a["token"] != token]
         above = [c for c in rivals if c.long > drafted.long]
         out.append(Position(i, drafted, rivals[0] if rivals else None, max(above, key=lambda c: c.long, default=None),
-                            bool(dels["flipped"][i]), status[i]))
+                            bool(dels["flipped"][i]), status[nodes[i]] if i < len(nodes) else "unverified"))
     return out
 
 
@@ -109,7 +113,8 @@ def _quoted(texts: Mapping[int, str], token: int) -> str:
 def _verdict(p: Position, step: StepRecord, texts: Mapping[int, str]) -> str:
     """The target's verdict; at a rejection, also the token it put there instead (often the
     long expert's pick after a flip, which is the lesson of the view)."""
-    instead = f", target took {_quoted(texts, step.correction)}" if p.status == "rejected" else ""
+    took = step.committed[p.index] if p.index < len(step.committed) else step.correction
+    instead = f", target took {_quoted(texts, took)}" if p.status == "rejected" else ""
     return VERDICT_MARKS[p.status] + instead
 
 
@@ -140,7 +145,9 @@ def _step_summary(step: StepRecord, positions: list[Position]) -> str:
         return f"step {step.step}: no DeLS draft this step ({why})"
     flips = [p.index for p in positions if p.flipped]
     flipped = f"flipped at position{'s' if len(flips) > 1 else ''} {', '.join(map(str, flips))}" if flips else "no flip"
-    return (f"step {step.step}: {len(positions)} drafted, short expert {flipped}; "
+    leaves = leaf_count(step.parents)
+    tree = f" (its fused chain, of a tree of {len(step.tokens)} nodes on {leaves} branches)" if leaves > 1 else ""
+    return (f"step {step.step}: {len(positions)} drafted{tree}, short expert {flipped}; "
             f"target accepted {sum(p.status == 'accepted' for p in positions)}")
 
 

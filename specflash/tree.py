@@ -56,19 +56,25 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
+    def follow(self, tokens: list[int]) -> list[int]:
+        """The nodes of the longest path from the root whose tokens begin `tokens`."""
+        path, node = [], ROOT
+        for token in tokens:
+            node = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == node and t == token), None)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def with_chain(self, tokens: list[int]) -> tuple["DraftTree", int]:
         """This tree with the chain `tokens` from the root added as a path, and how many of them
         it already held: the chain follows existing nodes while their tokens agree and the rest
         become new nodes after all of this tree's, so every old node keeps its index."""
-        node, shared = ROOT, 0
-        for token in tokens:
-            child = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == node and t == token), None)
-            if child is None:
-                break
-            node, shared = child, shared + 1
-        tail = tokens[shared:]
-        parents = [node, *range(len(self), len(self) + len(tail) - 1)] if tail else []
-        return DraftTree((*self.tokens, *tail), (*self.parents, *parents)), shared
+        held = self.follow(tokens)
+        tail = tokens[len(held):]
+        start = held[-1] if held else ROOT
+        parents = [start, *range(len(self), len(self) + len(tail) - 1)] if tail else []
+        return DraftTree((*self.tokens, *tail), (*self.parents, *parents)), len(held)
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n+1, n+1] bool: row i may attend to column j (the root is row/column 0, nodes 1..n):

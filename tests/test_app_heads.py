@@ -89,6 +89,23 @@ def test_step_figure_compares_drafted_and_runner_up_source_by_source():
     assert "<td><b>34.00</b></td>" in table and "<td><b>32.50</b></td>" in table
 
 
+def test_tree_step_shows_its_fused_chain_wherever_the_tree_holds_it():
+    """A tree step: the fused chain 10 20 30, drafted as a tree 10 -> 20, 10 -> 21 -> 40 (its third
+    position gave way to a sibling of its second). The target took 10 21 then 50: the chain's 20 was
+    refused (the target took 21 there) and its 30, in no node, was never checked."""
+    extras = dels_extras([False, False, False])
+    extras["dels"]["chain"] = [10, 20, 30]
+    step = StepRecord(step=6, phase="decode", context_len=10, tokens=[10, 20, 21, 40], parents=[-1, 0, 0, 2],
+                      q=None, p=[0.5] * 4, accepted=[0, 2], correction=50, correction_kind="resample",
+                      correction_p=0.5, committed=[10, 21, 50], verified=5, draft_time=0.0, verify_time=0.0,
+                      extras=extras)
+    positions = views_dels.step_positions(step)
+    assert [(p.drafted.token, p.status) for p in positions] == [(10, "accepted"), (20, "rejected"), (30, "unverified")]
+    labels = list(views_dels.dels_step_figure(step, {21: " ran", 50: "Z"}).data[0].y)
+    assert "target took &#x27; ran&#x27;" in labels[1]
+    assert "3 drafted (its fused chain, of a tree of 4 nodes on 2 branches)" in views_dels.dels_step_html(step, {})
+
+
 def test_flip_whose_long_pick_was_not_recorded_and_records_without_alternatives():
     outside = [[alt(10, 30.0, 3.0, 1.0), alt(11, 29.0, 0.0, 0.0)]]  # long's own pick is none of these
     step = chain(2, [10], 0, dels_extras([True], outside))

@@ -198,3 +198,16 @@ def test_the_summary_says_when_the_draft_was_a_tree():
     assert "of 4 drafted:" in chain and "branches" not in chain
     tree = views.stop_summary(step(parents=[-1, 0, -1, 2], accepted=[0]), TEXTS, 0.0)  # two paths of two
     assert "1 accepted token(s) of 4 drafted on 2 branches of a tree" in tree
+
+
+def test_grafted_lookup_nodes_are_named_in_the_summary_and_the_table():
+    """Nodes 2-3 continue prompt lookup's match, grafted beside the drafter's nodes 0-1."""
+    grafted = step(parents=[-1, 0, 0, 2], q=[0.9, 0.8, None, None], accepted=[0, 2, 3], correction=5,
+                   correction_kind="bonus", committed=[2, 4, 11, 5],
+                   extras={"graft": {"tokens": [2, 4, 11], "ngram": 2, "shared": 1, "first_node": 2}})
+    summary = views.stop_summary(grafted, TEXTS, 0.0)
+    assert "nodes 2-3 are prompt lookup's continuation (the last 2 token(s) occurred earlier)" in summary
+    cells = re.findall(r"<td>([^<]*)</td>", views.step_table_html(grafted, TEXTS, 0.0))
+    assert cells.count("prompt lookup") == 2 and "0.900" in cells and "0.800" in cells
+    one = step(parents=[-1, 0, 0, 1], extras={"graft": {"tokens": [2, 3, 11], "ngram": 1, "shared": 2, "first_node": 3}})
+    assert "node 3 is prompt lookup's continuation" in views.stop_summary(one, TEXTS, 0.0)

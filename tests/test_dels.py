@@ -103,14 +103,18 @@ def test_zero_alpha_beta_breaks_ties_as_dflash_does(tiny_targets, candidates):
     assert not any(fused["trace"]["flipped"])
 
 
-def test_zero_alpha_beta_is_exactly_dflash(tiny_targets):
+@pytest.mark.parametrize("tree", [False, True])
+def test_zero_alpha_beta_is_exactly_dflash(tiny_targets, tree):
+    """Chains, and trees too when the fusion reads every token (its probabilities then are
+    DFlash's own: a pool of candidates renormalises them, which can reorder paths)."""
     target = tiny_targets["qwen3"]
     model = random_drafter(target, block=8, feature_layers=(1,))
     ids = target.tokenizer(PROMPTS[1]).input_ids
-    base = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False, tree=False)), max_new_tokens=30)
-    dels = generate(target, ids, drafter=DeLSDrafter(model, DeLSConfig(gate=False, alpha=0.0, beta=0.0), random_head(target)),
-                    max_new_tokens=30)
-    assert [s.tokens for s in dels.steps] == [s.tokens for s in base.steps]
+    base = generate(target, ids, drafter=DFlashEngineDrafter(model, DFlashConfig(gate=False, tree=tree)), max_new_tokens=30)
+    cfg = DeLSConfig(gate=False, alpha=0.0, beta=0.0, tree=tree, candidates=0 if tree else 64)
+    dels = generate(target, ids, drafter=DeLSDrafter(model, cfg, random_head(target)), max_new_tokens=30)
+    assert [(s.tokens, s.parents) for s in dels.steps] == [(s.tokens, s.parents) for s in base.steps]
+    assert dels.config["tree"] is tree and any(list(s.parents) != list(range(-1, len(s.tokens) - 1)) for s in dels.steps) is tree
     assert not any(f for s in dels.steps[1:] if s.tokens for f in s.extras["dels"]["flipped"])
 
 

@@ -288,7 +288,8 @@ def test_a_shadow_chain_is_the_eager_draft_computed_as_it_is_read(tiny_targets, 
     model = vocab_drafter(target, spread_ids(target, 30), feature_layers=(1,))
     drafter = {"dflash": lambda: DFlashEngineDrafter(model, DFlashConfig(gate=False, tree=False)),
                "adaflash": lambda: AdaFlashDrafter(model, AdaFlashConfig(gate=False, rule="fixed", fixed_len=7, tree=False)),
-               "dels": lambda: DeLSDrafter(model, DeLSConfig(gate=False, alpha=0.7, beta=0.3), random_head(target))}[method]()
+               "dels": lambda: DeLSDrafter(model, DeLSConfig(gate=False, alpha=0.7, beta=0.3, tree=False),
+                                            random_head(target))}[method]()
     prompt_ids = target.tokenizer(PROMPT)["input_ids"]
     run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=9, stop_on_eos=False)
     context = prompt_ids + run.output_ids  # the drafter has observed every position but the last

@@ -7,8 +7,12 @@ the local head then walks the block left to right, and each drafted token is
 
 where l_prior is the log unigram frequency of the local head's training tokens (both experts
 already carry that frequency prior; subtracting it once avoids counting it twice). alpha =
-beta = 0 is exactly `dflash`. The draft is still a chain of point-mass proposals, so the
-engine's verification keeps the method lossless at every temperature.
+beta = 0 is exactly `dflash`. Like DFlash's, the draft is a tree of the block's most probable
+paths (`tree`, by default, where the target verifies trees): here through each position's top
+fused tokens, the local head having read the fused chain (a runner-up's successors are scored as
+if the chain's token came first, as DFlash scores its slots as if independent). Point-mass
+proposals either way, so the engine's verification keeps the method lossless at every
+temperature.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from ..errors import MethodConfigError
 from ..models.local_head import LocalHead, load_local_head
 from ..tree import DraftTree
 from .base import Draft
-from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, ShadowChain, gate_cost, load_dflash_model
+from .dflash import (DFlashEngineDrafter, DFlashFamilyConfig, ShadowChain, candidate_tree, check_tree_knobs, gate_cost,
+                     load_dflash_model)
 
 _TOP = 3  # alternatives kept in the trace per drafted token
 
@@ -39,9 +44,13 @@ class DeLSConfig(DFlashFamilyConfig):
     beta: float = 0.3
     local_head: str | None = None  # folder of the trained local head (default: the preset's)
     candidates: int = 64  # fuse only the long expert's top tokens (fuse_block); 0 = every token
+    tree: bool = True  # as dflash's: the fused paths as a tree; false: the fused chain
+    tree_width: int = 4
+    graft_lookup: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
         for name in ("alpha", "beta"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
@@ -71,23 +80,26 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
 
 
 def collect_fused(positions: Iterator[dict[str, Any]]) -> dict[str, Any]:
-    """fuse_positions' records as one block: target token ids, fused probabilities, the trace."""
-    tokens, q, trace = [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
+    """fuse_positions' records as one block: target token ids, fused probabilities, each
+    position's top fused tokens, the trace."""
+    tokens, q, top, trace = [], [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
     for position in positions:
         tokens.append(position.pop("token"))
         q.append(position.pop("q"))
+        top.append(position.pop("top"))
         for key, value in position.items():
             trace[key].append(value)
-    return {"tokens": tokens, "q": q, "trace": trace}
+    return {"tokens": tokens, "q": q, "top": top, "trace": trace}
 
 
 def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int, alpha: float, beta: float,
                    vocab: torch.Tensor | None = None,
                    readout: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   candidates: int = 0) -> Iterator[dict[str, Any]]:
+                   candidates: int = 0, width: int = 1) -> Iterator[dict[str, Any]]:
     """fuse_block one position at a time, each from the next of `long_rows` (DFlash's logits for
     that slot, [V] or [N]), pulled only when that position is asked for: a shadow draft that
-    misses early never computes the rest (drafters/dflash.py ShadowChain)."""
+    misses early never computes the rest (drafters/dflash.py ShadowChain). Each record's `top`
+    holds the position's `width` most probable fused tokens, (probabilities, target ids)."""
     prior, state, last = None, None, root
     for row in long_rows:
         if prior is None:
@@ -108,22 +120,26 @@ def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int
             short = torch.zeros_like(scores)
         fused = scores + alpha * short
         j = fused.argmax()
-        # the chosen token and the fused top _TOP, every trace value read in one transfer
-        at = torch.cat([j[None], fused.topk(min(_TOP, fused.numel())).indices])  # fused positions
+        probs = torch.softmax(fused, -1)
+        best = probs.topk(min(width, probs.numel()))
+        # the chosen token, the fused top _TOP and the top `width`, every trace value read in one transfer
+        at = torch.cat([j[None], fused.topk(min(_TOP, fused.numel())).indices, best.indices])  # fused positions
         where = at if pool is None else pool[at]  # base indices
         ids = where if vocab is None else vocab[where]
         values = torch.stack([row[where], alpha * short[at], -beta * prior[where]]).tolist()
         tokens, wheres = ids.tolist(), where.tolist()
         last = tokens[0]
+        n_top = 1 + min(_TOP, fused.numel())
         yield {
             "token": last,
-            "q": float(torch.softmax(fused, -1)[j]),
+            "q": float(probs[j]),
+            "top": (best.values.tolist(), tokens[n_top:]),
             "long": values[0][0],
             "short": values[1][0],
             "prior": values[2][0],
             "flipped": wheres[0] != int(row.argmax()),
             "alternatives": [{"token": tokens[i], "long": values[0][i], "short": values[1][i], "prior": values[2][i]}
-                             for i in range(1, len(tokens))],
+                             for i in range(1, n_top)],
         }
 
 
@@ -139,11 +155,11 @@ class DeLSDrafter(DFlashEngineDrafter):
         vocab = self.model.draft_ids
         return (self.model.logits(hidden) if vocab is None else self.model.draft_logits(hidden)).float()
 
-    def fusion(self, long_rows: Iterator[torch.Tensor], root: int) -> Iterator[dict[str, Any]]:
+    def fusion(self, long_rows: Iterator[torch.Tensor], root: int, width: int = 1) -> Iterator[dict[str, Any]]:
         """fuse_positions with this drafter's head, knobs and draft vocabulary."""
         vocab = self.model.draft_ids
         return fuse_positions(long_rows, self.head, root, self.cfg.alpha, self.cfg.beta, vocab,
-                              None if vocab is None else self.model.draft_logits, self.cfg.candidates)
+                              None if vocab is None else self.model.draft_logits, self.cfg.candidates, width)
 
     def shadow_tokens(self, context: list[int], k: int) -> ShadowChain:
         """The fused chain, each position's long logits and fusion computed when it is scored."""
@@ -152,18 +168,21 @@ class DeLSDrafter(DFlashEngineDrafter):
         return ShadowChain(k, (position["token"] for position in fused))
 
     def draft_block(self, context: list[int], k: int) -> Draft:
+        """The fused chain's k positions, drafted as it (and recorded in the trace as `chain`), or
+        as the tree of the most probable paths through each position's top fused tokens."""
         hidden = self.block_hidden(context)[1 : k + 1]
-        fused = collect_fused(self.fusion(iter(self.long_logits(hidden)), context[-1]))
-        draft = Draft(
-            DraftTree.chain(fused["tokens"]),
-            q=None,
-            q_token=fused["q"],
-            extras={"dflash": {"block_size": self.spec.block_size}, "dels": fused["trace"]},
-        )
-        return draft
+        width = self.cfg.tree_width if self.trees else 1
+        fused = collect_fused(self.fusion(iter(self.long_logits(hidden)), context[-1], width))
+        tree, q = DraftTree.chain(fused["tokens"]), fused["q"]
+        if self.trees:
+            probs = torch.tensor([p for p, _ in fused["top"]])
+            ids = torch.tensor([i for _, i in fused["top"]])
+            tree, q = candidate_tree(probs, ids, k, width)
+        return Draft(tree, q=None, q_token=q, extras={"dflash": {"block_size": self.spec.block_size},
+                                                      "dels": {**fused["trace"], "chain": fused["tokens"]}})
 
     def config_dict(self) -> dict[str, Any]:
-        return {**super().config_dict(), **asdict(self.cfg)}
+        return {**super().config_dict(), **asdict(self.cfg), "tree": self.trees}  # what it drafted
 
 
 CONFIG = DeLSConfig

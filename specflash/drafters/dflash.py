@@ -274,14 +274,18 @@ def check_tree_knobs(tree: object, width: object, graft_lookup: object) -> None:
 def candidate_tree(probs: torch.Tensor, ids: torch.Tensor | None, nodes: int,
                    width: int = 4) -> tuple[DraftTree, list[float]]:
     """The `nodes` most probable paths through the slots' top `width` tokens, as a draft tree,
-    and each node's probability. Why: a block's slots are scored in one forward, so each offers
+    and each node's probability; `probs` [k, V'] has its columns' target ids in `ids` ([V'],
+    or [k, V'] per row; None: the columns are target ids). Why: a block's slots are scored in one forward, so each offers
     its runners-up for free, and where the argmax at a slot is doubtful a sibling is worth more
     than one more token deep. A path scores the product of its slots' probabilities (as if the
     slots were independent: a runner-up's successors were scored as if the argmax came first);
     best-first, so a path enters only after its parent, and every kept path's prefix is kept."""
     top = probs.topk(min(width, probs.shape[-1]), dim=-1)
     p = top.values.tolist()
-    tok = (top.indices if ids is None else ids[top.indices]).tolist()
+    if ids is None:
+        tok = top.indices.tolist()
+    else:  # one id per column of probs ([V']), or each row's own ([k, V'])
+        tok = (ids[top.indices] if ids.dim() == 1 else ids.gather(1, top.indices)).tolist()
     heap = [(-p[0][r], (r,), ROOT) for r in range(len(p[0]))]
     heapq.heapify(heap)
     tokens, parents, q = [], [], []
