@@ -28,6 +28,7 @@ LABELS = {
     "alpha": "α",
     "beta": "β",
     "lookup": "prompt lookup beside the drafter",
+    "graft_lookup": "graft prompt lookup onto the tree",
 }
 
 

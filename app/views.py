@@ -279,12 +279,14 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float 
 
 def gate_summary(steps: Sequence[StepRecord]) -> str | None:
     """How many steps the draft gate drafted, skipped and probed, and prompt lookup drafted
-    instead (None when no gate ran)."""
+    instead or beside the drafter (None when no gate ran)."""
     states = [s.extras["gate"]["state"] for s in steps if "gate" in s.extras]
     if not states:
         return None
     lookup = f", prompt lookup {states.count('lookup')}" if "lookup" in states else ""
-    return (f"on {states.count('on')}, off {states.count('off')}, probe {states.count('probe')}, "
+    grafted = sum("graft" in s.extras for s in steps)
+    graft = f" (prompt lookup grafted onto the drafter's tree in {grafted})" if grafted else ""
+    return (f"on {states.count('on')}{graft}, off {states.count('off')}, probe {states.count('probe')}, "
             f"shadow {states.count('shadow')}{lookup} steps")
 
 

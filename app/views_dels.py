@@ -107,7 +107,8 @@ def step_positions(step: StepRecord) -> list[Position]:
 
 
 def _quoted(texts: Mapping[int, str], token: int) -> str:
-    return html.escape(repr(token_text(texts, token)))
+    """A token's text quoted for both the HTML tables and plotly's labels (which show &quot; as is)."""
+    return html.escape(repr(token_text(texts, token))).replace("&quot;", "&#34;")
 
 
 def _verdict(p: Position, step: StepRecord, texts: Mapping[int, str]) -> str:
@@ -146,7 +147,8 @@ def _step_summary(step: StepRecord, positions: list[Position]) -> str:
     flips = [p.index for p in positions if p.flipped]
     flipped = f"flipped at position{'s' if len(flips) > 1 else ''} {', '.join(map(str, flips))}" if flips else "no flip"
     leaves = leaf_count(step.parents)
-    tree = f" (its fused chain, of a tree of {len(step.tokens)} nodes on {leaves} branches)" if leaves > 1 else ""
+    tree = (f" (the fused chain; the step verified a tree of {len(step.tokens)} nodes on {leaves} branches)"
+            if leaves > 1 else "")
     return (f"step {step.step}: {len(positions)} drafted{tree}, short expert {flipped}; "
             f"target accepted {sum(p.status == 'accepted' for p in positions)}")
 

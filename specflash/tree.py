@@ -60,7 +60,8 @@ class DraftTree:
         """The nodes of the longest path from the root whose tokens begin `tokens`."""
         path, node = [], ROOT
         for token in tokens:
-            node = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == node and t == token), None)
+            node = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents))
+                         if p == node and t == token), None)
             if node is None:
                 break
             path.append(node)

@@ -103,7 +103,10 @@ def test_tree_step_shows_its_fused_chain_wherever_the_tree_holds_it():
     assert [(p.drafted.token, p.status) for p in positions] == [(10, "accepted"), (20, "rejected"), (30, "unverified")]
     labels = list(views_dels.dels_step_figure(step, {21: " ran", 50: "Z"}).data[0].y)
     assert "target took &#x27; ran&#x27;" in labels[1]
-    assert "3 drafted (its fused chain, of a tree of 4 nodes on 2 branches)" in views_dels.dels_step_html(step, {})
+    summary = views_dels.dels_step_html(step, {})
+    assert "3 drafted (the fused chain; the step verified a tree of 4 nodes on 2 branches)" in summary
+    quoted = list(views_dels.dels_step_figure(step, {10: "'s"}).data[0].y)[0]
+    assert "&#34;&#x27;s&#34;" in quoted and "&quot;" not in quoted  # plotly shows &quot; as is
 
 
 def test_flip_whose_long_pick_was_not_recorded_and_records_without_alternatives():

@@ -209,5 +209,6 @@ def test_grafted_lookup_nodes_are_named_in_the_summary_and_the_table():
     assert "nodes 2-3 are prompt lookup's continuation (the last 2 token(s) occurred earlier)" in summary
     cells = re.findall(r"<td>([^<]*)</td>", views.step_table_html(grafted, TEXTS, 0.0))
     assert cells.count("prompt lookup") == 2 and "0.900" in cells and "0.800" in cells
-    one = step(parents=[-1, 0, 0, 1], extras={"graft": {"tokens": [2, 3, 11], "ngram": 1, "shared": 2, "first_node": 3}})
+    one = step(parents=[-1, 0, 0, 1],
+               extras={"graft": {"tokens": [2, 3, 11], "ngram": 1, "shared": 2, "first_node": 3}})
     assert "node 3 is prompt lookup's continuation" in views.stop_summary(one, TEXTS, 0.0)

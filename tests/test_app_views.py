@@ -119,6 +119,10 @@ def test_a_prompt_lookup_step_says_so_in_every_view():
     assert views.stop_summary(step, {}).startswith("Draft gate lookup: the last 3 token(s) occurred earlier")
     assert views.gate_summary([step, chain_step(extras={"gate": {**lookup, "state": "on"}})]) == (
         "on 1, off 0, probe 0, shadow 0, prompt lookup 1 steps")
+    grafted = chain_step(extras={"gate": {**lookup, "state": "on"}, "graft": {"tokens": [5], "ngram": 1, "shared": 0,
+                                                                              "first_node": 4}})
+    assert views.gate_summary([step, grafted, chain_step(extras={"gate": {**lookup, "state": "on"}})]) == (
+        "on 2 (prompt lookup grafted onto the drafter's tree in 1), off 0, probe 0, shadow 0, prompt lookup 1 steps")
     note = "prompt lookup drafted this step instead of the drafter: the last 3 token(s) occurred earlier"
     assert views.lookup_note(step).startswith(note) and views.lookup_note(chain_step()) is None
     assert note in views_lattice.no_lattice_reason(step)

@@ -104,17 +104,18 @@ def test_tree_drafts_stay_greedy_and_branch(tiny_targets, arch):
 
 
 def test_tree_is_a_knob_of_the_methods_that_draft_trees():
-    """dflash and adaflash draft trees; dflash2 and dels draft their blocks their own ways, so
-    they have no tree knob to set."""
+    """dflash, adaflash and dels draft trees; dflash2 drafts its block its own way (the path
+    selector), so it has no tree knob to set."""
     assert DFlashConfig().tree is True and DFlashConfig(tree=False).tree is False
-    assert AdaFlashConfig().tree is True
+    assert AdaFlashConfig().tree is True and DeLSConfig().tree is True
     with pytest.raises(MethodConfigError, match="tree must be"):
         DFlashConfig(tree="yes")
     with pytest.raises(MethodConfigError, match="tree_width must be"):
         AdaFlashConfig(tree_width=0)
-    for config in (DeLSConfig, DFlash2Config):
-        with pytest.raises(TypeError):
-            config(tree=True)
+    with pytest.raises(MethodConfigError, match="tree_width must be"):
+        DeLSConfig(tree_width=True)
+    with pytest.raises(TypeError):
+        DFlash2Config(tree=True)
 
 
 def test_greedy_with_accepted_drafts(tiny_targets):
