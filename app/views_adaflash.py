@@ -19,8 +19,10 @@ from typing import Any, Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from specflash.drafters.adaflash import AdaFlashConfig
+from specflash.drafters.adaflash import AdaFlashConfig, path_probabilities
+from specflash.drafters.lookup_graft import own_nodes
 from specflash.trace import RunRecord, StepRecord
+from specflash.tree import DraftTree
 
 from .views import (ORIGINS, STATUS_COLOURS, gate_idle_share, leaf_count, lookup_note, lookup_share, node_status,
                     token_text)
@@ -77,9 +79,12 @@ def rule_meaning(rule: str, config: Mapping[str, Any]) -> str:
 
 def predicted_run(step: StepRecord, rule: str, config: Mapping[str, Any]) -> float | None:
     """The accepted run the rule expected among the tokens it verified: the head's run
-    r·L·rate − 1 for score rules, the chained draft confidences for the cost rule; None for
-    rules that make no estimate (fixed, heuristic, confidence, entropy)."""
-    c, ada, n = _settings(config), step.extras["adaflash"], len(step.tokens)
+    r·L·rate − 1 for score rules; for the cost rule, each drafted node's chance that its path is
+    accepted (its path's confidences chained), summed: a chain's run, or a tree's; None for rules
+    that make no estimate (fixed, heuristic, confidence, entropy). Grafted prompt-lookup nodes are
+    not the rule's and are left out."""
+    c, ada = _settings(config), step.extras["adaflash"]
+    n = own_nodes(len(step.tokens), step.extras)
     if uses_score(rule, config):
         block = (step.extras.get("dflash") or {}).get("block_size") or c.get("block_size")
         if ada.get("score") is None or not block:
@@ -87,11 +92,7 @@ def predicted_run(step: StepRecord, rule: str, config: Mapping[str, Any]) -> flo
         return min(max(0.0, ada["score"] * block * c["rate"] - 1), n)
     if rule != "cost" or step.q is None:
         return None
-    run, chain = 0.0, 1.0
-    for q in step.q[:n]:
-        chain *= min(1.0, q * c["rate"])
-        run += chain
-    return run
+    return sum(path_probabilities(DraftTree(tuple(step.tokens[:n]), tuple(step.parents[:n])), step.q[:n], c["rate"]))
 
 
 def step_cut(step: StepRecord, config: Mapping[str, Any]) -> Cut | None:

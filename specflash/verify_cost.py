@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import time
+from itertools import accumulate
+from operator import mul
 from pathlib import Path
 
 import torch
@@ -97,16 +99,23 @@ def cached_verify_cost(target, max_len: int, cache_dir: Path | None, batch: int 
 def best_cut(confidences: list[float], cost: list[float], draft_cost: float = 0.0) -> int:
     """How many drafted tokens m to verify: argmax over m of expected committed tokens per unit
     cost, E(m) = 1 + sum_{j<=m} prod_{i<=j} conf_i over cost(m) = c(m + 1) + draft_cost."""
-    best_m, best_value, expected, survive = 0, 1.0 / (cost[0] + draft_cost), 1.0, 1.0
-    for m, conf in enumerate(confidences, start=1):
-        if m >= len(cost):
+    return best_node_count(list(accumulate(confidences, mul)), cost, draft_cost)
+
+
+def best_node_count(path_probs: list[float], cost: list[float], draft_cost: float = 0.0) -> int:
+    """How many of a draft tree's nodes to verify, taken in order (each after its parent): argmax
+    over n of (1 + sum_{i<=n} P_i) / (c(n + 1) + draft_cost), P_i the chance that node i's path is
+    accepted, so the sum is the expected number of accepted drafts (a chain's P_j is the product of
+    its first j confidences: `best_cut`)."""
+    best_n, best_value, expected = 0, 1.0 / (cost[0] + draft_cost), 1.0
+    for n, p in enumerate(path_probs, start=1):
+        if n >= len(cost):
             break
-        survive *= conf
-        expected += survive
-        value = expected / (cost[m] + draft_cost)
+        expected += p
+        value = expected / (cost[n] + draft_cost)
         if value > best_value:
-            best_m, best_value = m, value
-    return best_m
+            best_n, best_value = n, value
+    return best_n
 
 
 def best_common_cut(confidences_per_row: list[list[float]], cost: list[float], draft_cost: float = 0.0) -> int:

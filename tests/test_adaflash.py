@@ -13,7 +13,7 @@ from conftest import LOSSLESS_ARCHS, hf_greedy
 from test_dflash import random_drafter
 from specflash.api import generate
 from specflash.drafters.adaflash import (
-    RULES, AdaFlashConfig, AdaFlashDrafter, acceptance_estimate, annotate_cuts, build, cut_length,
+    RULES, AdaFlashConfig, AdaFlashDrafter, acceptance_estimate, annotate_cuts, build, cut_length, path_probabilities,
 )
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.errors import CheckpointError, MethodConfigError
@@ -21,7 +21,7 @@ from specflash.models.dflash_io import load_drafter, save_drafter
 from specflash.trace import RunRecord, StepRecord
 from specflash.tree import DraftTree
 from specflash.models.length_head import LengthHead, length_labels, load_length_head, save_length_head, verify_len
-from specflash.verify_cost import best_cut, monotone
+from specflash.verify_cost import best_cut, best_node_count, monotone
 
 STEEP = [1.0 + 0.5 * i for i in range(16)]  # each extra verified token costs half a forward
 FLAT = [1.0] * 16
@@ -248,6 +248,44 @@ def test_tree_drafts_take_the_cuts_width_and_stay_greedy(tiny_targets, arch):
     assert any(s.parents != list(range(-1, len(s.tokens) - 1)) for s in drafted)
     assert all(s.extras["adaflash"]["chain"][0] == s.tokens[0] for s in drafted if "chain" in s.extras["adaflash"])
     assert run.config["tree"] is True
+
+
+def test_cost_rule_on_a_tree_prices_each_node_by_its_path():
+    """Worked by hand: a root 0.6 with a sibling 0.3, under the root a child 0.5. Paths: 0.6, 0.3,
+    0.6 * 0.5 = 0.3 (0.6, 0.6 and 0.6 at rate 2, capped at 1 per slot)."""
+    tree = DraftTree((5, 6, 7), (-1, -1, 0))
+    assert path_probabilities(tree, [0.6, 0.3, 0.5]) == pytest.approx([0.6, 0.3, 0.3])
+    assert path_probabilities(tree, [0.6, 0.3, 0.5], rate=2.0) == pytest.approx([1.0, 0.6, 1.0])
+    cost = [1.0, 1.2, 1.6, 2.0]
+    assert best_node_count([0.6, 0.3, 0.3], cost) == 1  # 1.6 / 1.2 = 1.33 beats 1.9 / 1.6 and 2.2 / 2.0
+    assert best_node_count([0.9, 0.8, 0.7], cost) == 3  # 3.4 / 2.0 = 1.7 beats 2.7 / 1.6 and 1.9 / 1.2
+    assert best_node_count([0.6, 0.3, 0.3], [1.0, 1.2, 1.4, 1.6]) == 3  # 2.2 / 1.6 = 1.375 beats 1.36 and 1.33
+    assert best_node_count([0.6, 0.3, 0.3], [1.0] * 3) == 2  # the curve ends at 3 rows
+    assert best_cut([0.9, 0.5], cost) == best_node_count([0.9, 0.45], cost)  # a chain is the special case
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tree_cut_keeps_the_best_nodes_that_pay_and_stays_greedy(tiny_targets, arch):
+    """The cost rule on trees (the default) verifies a best-first prefix of the block's tree, as
+    many nodes as best_node_count says on the drafter's own confidences: on a flat curve all k,
+    on a steep one fewer; the output stays greedy either way."""
+    target = tiny_targets[arch]
+    model = random_drafter(target, block=8, feature_layers=(0, 1))
+    ids = target.tokenizer("The quick brown fox jumps over the lazy dog. The quick brown").input_ids
+    sizes = {}
+    for name, cost in (("flat", FLAT[:8]), ("steep", STEEP[:8])):
+        drafter = AdaFlashDrafter(model, AdaFlashConfig(gate=False, rule="cost"), cost)
+        run = generate(target, ids, drafter=drafter, max_new_tokens=30, stop_on_eos=False)
+        assert run.output_ids == hf_greedy(target, ids, 30)
+        drafted = [s for s in run.steps[1:] if s.tokens]
+        for s in drafted:
+            tree = DraftTree(tuple(s.tokens), tuple(s.parents))
+            assert best_node_count(path_probabilities(tree, s.q), cost) == len(s.tokens)
+            assert s.extras["adaflash"]["verify_len"] == len(s.tokens) + 1
+            chain = s.extras["adaflash"]["chain"]  # the argmax chain's part the tree holds: a path from node 0
+            assert len(tree.follow(chain)) == len(chain) >= 1 and chain[0] == s.tokens[0]
+        sizes[name] = [len(s.tokens) for s in run.steps[1:]]
+    assert max(sizes["flat"]) == 7 and sum(sizes["steep"]) < sum(sizes["flat"])
 
 
 def test_cost_rule_can_read_the_heads_estimate():

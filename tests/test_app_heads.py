@@ -3,6 +3,8 @@ expected number below is worked out by hand from the records, not by the code un
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from app import views_adaflash, views_dels
@@ -179,6 +181,12 @@ def test_predicted_run_is_the_rules_own_estimate():
     assert views_adaflash.predicted_run(step, "head", {}) == pytest.approx(3.0)
     assert views_adaflash.predicted_run(step, "head", {"rate": 0.5}) == pytest.approx(1.0)
     assert views_adaflash.predicted_run(step, "fixed", {}) is None
+    # a tree (two root children, one grandchild) sums its paths: 0.6 + 0.3 + 0.6 * 0.5; a grafted
+    # prompt-lookup node (from node 2 on) is not the rule's
+    tree = dataclasses.replace(step, parents=[-1, -1, 0], q=[0.6, 0.3, 0.5])
+    assert views_adaflash.predicted_run(tree, "cost", {}) == pytest.approx(1.2)
+    grafted = dataclasses.replace(tree, extras={**tree.extras, "graft": {"first_node": 2}}, q=[0.6, 0.3, None])
+    assert views_adaflash.predicted_run(grafted, "cost", {}) == pytest.approx(0.9)
 
 
 def test_cut_counts_drafted_tokens_verified_not_the_verify_length():
