@@ -15,7 +15,8 @@ selectable by name:
   per-position draft probabilities as acceptance estimates (or, with `estimate=head`, the length
   head's predicted run); `rate` scales the estimates. On a tree (the default, `tree`), the
   block's most probable paths best first, each node priced by its whole path's confidences
-  (`tree_cut`; on the dev prompts 1.62x against the chain-priced cut's 1.52x, dflash 1.61x).
+  (`tree_cut`; on the dev prompts 1.62x plain decoding beside dflash's 1.61x in the same run,
+  where the cut priced by the argmax chain had 1.52x beside dflash's 1.60x: docs/adaflash.md).
 - `head`: AdaFlash's learned length head reads the drafter's block hidden states and predicts
   r = verify length / L; the target verifies clamp(round(r * L * rate), min_len, L) positions
   (methods.md §2.2). The head ships inside the drafter folder (models/length_head.py).
