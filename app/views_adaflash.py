@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import plotly.graph_objects as go
 
 from specflash.drafters.adaflash import AdaFlashConfig, path_probabilities
-from specflash.drafters.lookup_graft import own_nodes
+from specflash.drafters.lookup_graft import own_nodes, own_share
 from specflash.trace import RunRecord, StepRecord
 from specflash.tree import DraftTree
 
@@ -42,12 +42,14 @@ class Cut:
 
     step: int
     rule: str
-    verified: int  # drafted tokens the target verified (len(step.tokens)), not verify_len
-    accepted: int
+    verified: int  # the drafter's tokens the target verified (its nodes of step.tokens), not verify_len
+    accepted: int  # of those, on the accepted path
     cut: int  # drafted tokens never verified: what the cut saved
     would_accept: int | None  # of the cut, how many greedy verification would have accepted (hindsight)
     predicted: float | None  # the rule's expected accepted run among the verified tokens
     score: float | None  # the length head's r, only where the rule reads it
+    grafted: int = 0  # prompt lookup's nodes verified beside the drafter's (lookup_graft.py), not the cut's
+    grafted_accepted: int = 0
 
 
 def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,9 +103,11 @@ def step_cut(step: StepRecord, config: Mapping[str, Any]) -> Cut | None:
     if not ada:
         return None
     rule = ada.get("rule") or config.get("rule", DEFAULTS["rule"])
-    return Cut(step.step, rule, len(step.tokens), step.accepted_len, len(ada.get("cut_tokens", [])),
-               ada.get("cut_would_accept"), predicted_run(step, rule, config),
-               ada.get("score") if uses_score(rule, config) else None)
+    own = own_nodes(len(step.tokens), step.extras)
+    _, accepted = own_share(DraftTree(tuple(step.tokens), tuple(step.parents)), step.extras, step.accepted)
+    return Cut(step.step, rule, own, accepted, len(ada.get("cut_tokens", [])), ada.get("cut_would_accept"),
+               predicted_run(step, rule, config), ada.get("score") if uses_score(rule, config) else None,
+               len(step.tokens) - own, step.accepted_len - accepted)
 
 
 def run_cuts(steps: Sequence[StepRecord], config: Mapping[str, Any]) -> list[Cut]:
@@ -189,10 +193,14 @@ def adaflash_note(run: RunRecord | None) -> str:
     hindsight = (f" Of the cut tokens, greedy verification would have accepted {_sum(known, 'would_accept')}."
                  if known else " No hindsight on the cut tokens was recorded (it exists for greedy runs only).")
     rules = ", ".join(sorted({f"`{c.rule}`" for c in cuts}))
+    grafted = _sum(cuts, "grafted")
+    beside = (f" Beside them the target verified {grafted} nodes of prompt lookup's continuation, grafted onto "
+              f"the drafter's trees ({_sum(cuts, 'grafted_accepted')} accepted; not the cut's, and not in the plot)."
+              if grafted else "")
     return (f"Cut rule {rules} (what it does is under the plot title). "
             f"Over {len(cuts)} drafted steps: {_sum(cuts, 'verified') + _sum(cuts, 'cut')} tokens drafted, "
             f"{_sum(cuts, 'verified')} verified ({_sum(cuts, 'accepted')} accepted), {_sum(cuts, 'cut')} cut "
-            f"and never verified.{hindsight}{lookup_share(run.steps, 'cut')}{gate_idle_share(run.steps)}")
+            f"and never verified.{beside}{hindsight}{lookup_share(run.steps, 'cut')}{gate_idle_share(run.steps)}")
 
 
 def _chip(text: str, colour: str, css_class: str, extra: str = "") -> str:
@@ -207,14 +215,18 @@ def _cut_sentence(cut: Cut) -> str:
     score = "" if cut.score is None else f" (length-head score r = {cut.score:.3f})"
     would = ("" if cut.would_accept is None
              else f" Of the cut tokens, greedy verification would have accepted {cut.would_accept}.")
+    beside = (f" Prompt lookup's continuation was verified beside them, {cut.grafted} grafted node"
+              f"{'s' if cut.grafted != 1 else ''} ({cut.grafted_accepted} accepted), after the ⇢ below"
+              " (the Step inspector shows where each hangs)."
+              if cut.grafted else "")
     return (f"The target verified {cut.verified} drafted token{plural} and the cut saved {cut.cut} (never verified): "
-            f"{expected}the target accepted {cut.accepted}{score}.{would}")
+            f"{expected}the target accepted {cut.accepted}{score}.{would}{beside}")
 
 
 def _tree_sentence(step: StepRecord, texts: Mapping[int, str]) -> str:
     """For a step verified as a tree: how many paths, and which chain the cut tokens continue."""
     chain = step.extras["adaflash"].get("chain")
-    paths = leaf_count(step.parents)
+    paths = leaf_count(step.parents[: own_nodes(len(step.tokens), step.extras)])  # the drafter's own tree
     if chain is None or paths == 1:
         return ""
     words = " ".join(html.escape(repr(token_text(texts, t))) for t in chain)
@@ -223,19 +235,22 @@ def _tree_sentence(step: StepRecord, texts: Mapping[int, str]) -> str:
 
 
 def adaflash_cut_html(step: StepRecord, texts: Mapping[int, str], config: Mapping[str, Any]) -> str:
-    """The step's draft as verified, a ✂ where the rule cut it, then the tokens it cut."""
+    """The step's draft as verified, a ✂ where the rule cut it, then the tokens it cut; then,
+    after a ⇢, prompt lookup's nodes grafted beside the drafter's."""
     cut = step_cut(step, config)
     if cut is None:
         why = lookup_note(step) or "no draft this step"
         return f"<p>Step {step.step} has no AdaFlash record ({html.escape(why)}).</p>"
     colours = {"accepted": ORIGINS["accepted"][1], "rejected": ORIGINS["resample"][1], "unverified": "#eee"}
-    kept = "".join(_chip(repr(token_text(texts, t)), colours[s], f"draft-{s}")
-                   for t, s in zip(step.tokens, node_status(step)))
+    chips = [_chip(repr(token_text(texts, t)), colours[s], f"draft-{s}") for t, s in zip(step.tokens, node_status(step))]
+    kept = "".join(chips[: cut.verified])
+    grafted = ('<span class="graft-mark" style="font-size:1.3em;margin-left:8px" title="prompt lookup, grafted">⇢</span>'
+               + "".join(chips[cut.verified:])) if cut.grafted else ""
     dropped = "".join(_chip(repr(token_text(texts, t)), "#f4f4f4", "draft-cut", "text-decoration:line-through;color:#888")
                       for t in step.extras["adaflash"].get("cut_tokens", []))
     return (
         f'<div class="adaflash-cut"><p>Step {step.step}, rule <code>{html.escape(cut.rule)}</code> '
         f"({html.escape(rule_meaning(cut.rule, config))}). {_cut_sentence(cut)}{_tree_sentence(step, texts)}</p>"
         f'<div style="font-family:monospace">{kept}<span class="cut-mark" style="font-size:1.3em;color:#d9534f">✂</span>'
-        f"{dropped}</div></div>"
+        f"{dropped}{grafted}</div></div>"
     )

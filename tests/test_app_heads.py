@@ -249,3 +249,23 @@ def test_a_tree_step_says_its_paths_and_the_chain_the_cut_continues():
     html = views_adaflash.adaflash_cut_html(tree, {7: "a", 8: "b", 11: "k"}, {})
     assert "a tree of 2 paths" in html and "argmax chain &#x27;a&#x27; &#x27;b&#x27;" in html
     assert "a tree of" not in views_adaflash.adaflash_cut_html(chain(5, [7, 8], 1, ada("cost", None, [13])), {}, {})
+
+
+def test_grafted_lookup_nodes_are_counted_apart_from_the_cut():
+    """Nodes 0-1 are the drafter's (a chain, its first refused), 2-4 prompt lookup's continuation
+    grafted at the root (all three accepted): the cut's counts are the drafter's 2 verified and 0
+    accepted, the 3 grafted nodes are reported beside them, after a ⇢ mark."""
+    extras = {**ada("cost", None, [7, 8]), "graft": {"tokens": [20, 21, 22], "ngram": 2, "shared": 0, "first_node": 2}}
+    step = StepRecord(step=3, phase="decode", context_len=10, tokens=[5, 6, 20, 21, 22], parents=[-1, 0, -1, 2, 3],
+                      q=[0.6, 0.5, None, None, None], p=[0.1] * 5, accepted=[2, 3, 4], correction=9,
+                      correction_kind="bonus", correction_p=0.5, committed=[20, 21, 22, 9], verified=6,
+                      draft_time=0.0, verify_time=0.0, extras=extras)
+    cut = views_adaflash.step_cut(step, {})
+    assert (cut.verified, cut.accepted, cut.cut, cut.grafted, cut.grafted_accepted) == (2, 0, 2, 3, 3)
+    assert cut.predicted == pytest.approx(0.6 + 0.3)  # the rule's own nodes only
+    html_out = views_adaflash.adaflash_cut_html(step, {}, {})
+    assert "verified 2 drafted tokens" in html_out and "3 grafted nodes (3 accepted)" in html_out
+    assert "a tree of" not in html_out  # the drafter's own nodes are a chain; the graft adds the branch
+    assert html_out.index("cut-mark") < html_out.index("graft-mark") and html_out.count("draft-accepted") == 3
+    note = views_adaflash.adaflash_note(run_of("adaflash", [step]))
+    assert "4 tokens drafted, 2 verified (0 accepted)" in note and "verified 3 nodes of prompt lookup's" in note
