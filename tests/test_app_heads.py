@@ -256,6 +256,7 @@ def test_grafted_lookup_nodes_are_counted_apart_from_the_cut():
     grafted at the root (all three accepted): the cut's counts are the drafter's 2 verified and 0
     accepted, the 3 grafted nodes are reported beside them, after a ⇢ mark."""
     extras = {**ada("cost", None, [7, 8]), "graft": {"tokens": [20, 21, 22], "ngram": 2, "shared": 0, "first_node": 2}}
+    extras["adaflash"]["chain"] = [5, 6]
     step = StepRecord(step=3, phase="decode", context_len=10, tokens=[5, 6, 20, 21, 22], parents=[-1, 0, -1, 2, 3],
                       q=[0.6, 0.5, None, None, None], p=[0.1] * 5, accepted=[2, 3, 4], correction=9,
                       correction_kind="bonus", correction_p=0.5, committed=[20, 21, 22, 9], verified=6,
