@@ -217,7 +217,7 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         tree = DraftTree(full.tokens[:keep], full.parents[:keep])
         on_chain = len(tree.follow(tokens))
         ada = {"rule": self.cfg.rule, "score": score, "verify_len": keep + 1, "cut_tokens": tokens[on_chain:],
-               "cut_q": q[on_chain:], "chain": tokens[:on_chain]}
+               "cut_q": q[on_chain:], **({"chain": tokens[:on_chain]} if keep else {})}  # as a chain's cut records
         return Draft(tree, q=None, q_token=q_nodes[:keep],
                      extras={"dflash": {"block_size": self.spec.block_size}, "adaflash": ada})
 
