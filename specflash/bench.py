@@ -205,6 +205,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from .bench_batch import run_batch_bench
 
         return run_batch_bench(args)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # which of a day's runs came last
     methods = [m.strip() for m in (args.methods or "ar,pld,hf-pld").split(",") if m.strip()]
     if "ar" not in methods:
         methods.insert(0, "ar")
@@ -252,7 +253,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "device": device, "model": args.model, "prompt_set": args.prompts, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "options": {name: options for name, (_, options) in variants.items() if options},
         "weights": {name: w for name, w in weights.items() if w}, "date": time.strftime("%Y-%m-%d"),
-        "rows": rows, "per_domain": per_domain, "samples": [s.__dict__ for s in samples],
+        "started": started, "rows": rows, "per_domain": per_domain, "samples": [s.__dict__ for s in samples],
         "note": "speedup = median over (prompt, repeat) of ar wall time / method wall time, both end to end",
     }, indent=1))
     print(f"\nwrote {args.out}")

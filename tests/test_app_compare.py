@@ -167,3 +167,8 @@ def test_figures_of_the_shipped_weights_come_before_wider_older_ones(tmp_path):
     (tmp_path / "bench-a-cpu.json").write_text(json.dumps(newer))
     (tmp_path / "bench-b-cpu.json").write_text(json.dumps(older))
     assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-a-cpu.json"
+    # two runs of one day: the later start wins, and a run that recorded none counts as earlier
+    (tmp_path / "bench-b-cpu.json").write_text(json.dumps({**newer, "started": "2026-12-05T09:00:00Z"}))
+    assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-b-cpu.json"
+    (tmp_path / "bench-a-cpu.json").write_text(json.dumps({**newer, "started": "2026-12-05T10:00:00Z"}))
+    assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-a-cpu.json"
