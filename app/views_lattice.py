@@ -26,8 +26,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from specflash.trace import StepRecord
+from specflash.tree import DraftTree
 
-from .views import STATUS_COLOURS, lookup_note, lookup_share, token_text
+from .views import STATUS_COLOURS, leaf_count, lookup_note, lookup_share, node_status, token_text
 
 NO_LATTICE = (
     "<p>This tab draws DFlash 2's candidate lattice for every step: the top-K candidates of each block "
@@ -327,9 +328,13 @@ def _divergence(fig: go.Figure, comparison: Comparison) -> None:
 
 
 def walked_status(step: StepRecord, slots: int) -> list[str]:
-    """Per walked slot: accepted, rejected (the first refusal) or unverified (after it)."""
-    a = len(step.accepted)
-    return ["accepted" if i < a else "rejected" if i == a else "unverified" for i in range(slots)]
+    """Per walked slot: accepted, rejected (verified and refused) or unverified (below a refusal,
+    or, in a tree step, past the part of the walk the tree held: its nodes went to other paths)."""
+    lattice = step_lattice(step)
+    walk = list((lattice or {}).get("path_tokens", step.tokens))[:slots]
+    nodes = DraftTree(tuple(step.tokens), tuple(step.parents)).follow(walk)
+    status = node_status(step)
+    return [status[nodes[i]] if i < len(nodes) else "unverified" for i in range(slots)]
 
 
 def no_lattice_reason(step: StepRecord) -> str:
@@ -415,13 +420,15 @@ def _walked_sentence(step: StepRecord, c: Comparison, texts: Mapping[int, str]) 
         return f"The selector's path agreed with the target for all {c.slots} slots{bonus}."
     lattice = step_lattice(step)
     drafted = lattice["path_tokens"][c.walked]
-    outside = "" if step.correction in lattice["candidates"][c.walked] else (
+    took = target_tokens(step)[c.walked]  # the correction, or in a tree step a token another path drafted
+    outside = "" if took in lattice["candidates"][c.walked] else (
         f", which is not among that slot's {len(lattice['candidates'][c.walked])} candidates")
     agreed = (f"agreed with the target for {c.walked} slot(s); at slot {c.walked + 1}"
               if c.walked else "missed at slot 1:")
+    after = (" The target never saw the slots after that, so its tokens there are unknown." if c.walked + 1 >= c.known
+             else " Another path of the step's tree went on from there (the Step inspector shows it).")
     return (f"The selector's path {agreed} it drafted {_quote(texts, drafted)} and the target produced "
-            f"{_quote(texts, step.correction)}{outside}. The target never saw the slots after that, so its tokens "
-            f"there are unknown.")
+            f"{_quote(texts, took)}{outside}.{after}")
 
 
 def _slots(n: int) -> str:
@@ -513,6 +520,12 @@ def lattice_run_summary(steps: Sequence[StepRecord]) -> str:
     else:
         head = (f"Accepted draft tokens per step: the selector's walked path **{walked:.2f}**; the independent-argmax "
                 f"path would have had {argmax_text}.")
+    trees = [s for s in steps if step_lattice(s) and leaf_count(s.parents) > 1]
+    if trees:
+        accepted = sum(len(s.accepted) for s in steps if step_lattice(s)) / n
+        head += (f" {len(trees)} of the steps verified a tree of the lattice's most probable paths (the walk is one of "
+                 f"them where the tree held it), accepting **{accepted:.2f}** draft tokens per step; the figures above "
+                 "are the walk's and the argmax path's agreement with the target's tokens.")
     return (
         f"**DFlash 2 lattice, {n} drafted steps.** {head}\n\n"
         f"The two paths differ in {differ} of {n} steps. Of the {len(mattered)} where "

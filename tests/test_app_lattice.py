@@ -4,6 +4,8 @@ figure and checked against the trace."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -211,7 +213,7 @@ def real_run(tiny_root):
     model = random_drafter(target, std=0.02, conv_std=0.05, book_std=0.3, block=8, feature_layers=(0, 1),
                            selector_top_k=12).train()
     _fit(target, model, ids + hf_greedy(target, ids, 40), len(ids), steps=40)
-    drafter = DFlash2EngineDrafter(model.eval(), DFlash2Config(gate=False))
+    drafter = DFlash2EngineDrafter(model.eval(), DFlash2Config(gate=False, tree=False))  # the walk verified as it is
     run = generate(target, ids, "dflash2", drafter=drafter, max_new_tokens=40, stop_on_eos=False)
     texts = {t: target.tokenizer.decode([t]) for s in run.steps for t in (*vl.lattice_ids(s), *s.committed)}
     return run, texts
@@ -237,3 +239,21 @@ def test_real_run(real_run):
     summary = vl.lattice_run_summary(run.steps)
     mean = sum(len(s.accepted) for s in drafted) / len(drafted)
     assert f"walked path **{mean:.2f}**" in summary and f"{len(drafted)} drafted steps" in summary
+
+
+def test_a_tree_step_maps_the_walk_onto_its_nodes():
+    """The walk 10 21 30 40 drafted as a tree: 10 -> 21 -> 30 (the walk's first three slots) and
+    10 -> 20 -> 31 -> 41 (another path). The target took 10 20 31 41 and a bonus: slot 1 of the walk
+    accepted, slot 2 (21) refused, slot 3 (30) below a refusal, slot 4 (40) in no node. Slot 2's
+    target token is 20, a token of the other path, which went on past it."""
+    chain = lattice_step([0, 1, 0, 0], 4, 99, kind="bonus")
+    tree = dataclasses.replace(chain, tokens=[10, 21, 20, 30, 31, 41], parents=[-1, 0, 0, 1, 2, 4],
+                               p=[0.5] * 6, accepted=[0, 2, 4, 5], committed=[10, 20, 31, 41, 99])
+    assert vl.walked_status(tree, 4) == ["accepted", "rejected", "unverified", "unverified"]
+    c = vl.compare(tree)
+    assert (c.walked, c.known) == (1, 4)
+    summary = vl.lattice_summary_html(tree, TEXTS)
+    assert "at slot 2 it drafted" in summary and "the target produced" in summary and "t20" in summary
+    assert "Another path of the step" in summary and "tree went on from there" in summary
+    run_summary = vl.lattice_run_summary([PREFILL, tree])
+    assert "1 of the steps verified a tree" in run_summary and "accepting **4.00** draft tokens" in run_summary

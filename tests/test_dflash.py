@@ -104,18 +104,17 @@ def test_tree_drafts_stay_greedy_and_branch(tiny_targets, arch):
 
 
 def test_tree_is_a_knob_of_the_methods_that_draft_trees():
-    """dflash, adaflash and dels draft trees; dflash2 drafts its block its own way (the path
-    selector), so it has no tree knob to set."""
+    """Every DFlash-family method drafts trees by default, each scoring its paths its own way."""
     assert DFlashConfig().tree is True and DFlashConfig(tree=False).tree is False
-    assert AdaFlashConfig().tree is True and DeLSConfig().tree is True
+    assert AdaFlashConfig().tree is True and DeLSConfig().tree is True and DFlash2Config().tree is True
     with pytest.raises(MethodConfigError, match="tree must be"):
         DFlashConfig(tree="yes")
     with pytest.raises(MethodConfigError, match="tree_width must be"):
         AdaFlashConfig(tree_width=0)
     with pytest.raises(MethodConfigError, match="tree_width must be"):
         DeLSConfig(tree_width=True)
-    with pytest.raises(TypeError):
-        DFlash2Config(tree=True)
+    with pytest.raises(MethodConfigError, match="graft_lookup must be"):
+        DFlash2Config(graft_lookup=None)
 
 
 def test_greedy_with_accepted_drafts(tiny_targets):

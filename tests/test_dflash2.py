@@ -17,11 +17,11 @@ from specflash.api import generate
 from specflash.config import SamplingConfig
 from specflash.drafters import build_drafter
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
-from specflash.drafters.dflash2 import DFlash2Config, DFlash2EngineDrafter, build
+from specflash.drafters.dflash2 import DFlash2Config, DFlash2EngineDrafter, build, lattice_tree
 from specflash.engine import Decoding
 from specflash.errors import CheckpointError, MethodConfigError
 from specflash.models.dflash import DFlashCache, DFlashDrafter, DFlashSpec, loss_weights
-from specflash.models.dflash2 import DFlash2Drafter, DFlash2Spec, walk
+from specflash.models.dflash2 import DFlash2Drafter, DFlash2Spec, Lattice, walk
 from specflash.models.dflash_io import load_drafter, new_drafter, pick_mask_token, save_drafter
 from specflash.models.target import TargetModel
 from specflash.sampling import probabilities
@@ -224,7 +224,7 @@ def test_lattice_and_greedy_walk_equal_reference(tiny_targets):
     target = tiny_targets["qwen2"]
     model = random_drafter(target, layers=1, block=8, feature_layers=(1,))
     ids = target.tokenizer(PROMPTS[1]).input_ids
-    drafter = DFlash2EngineDrafter(model, DFlash2Config(gate=False))
+    drafter = DFlash2EngineDrafter(model, DFlash2Config(gate=False, tree=False))
     drafter.begin(ids, SamplingConfig(), torch.Generator().manual_seed(0))
     feats = _features(target, model, ids[:-1])
     drafter.observe(feats)
@@ -290,19 +290,61 @@ def test_walk_draws_from_softmax():
 # ---- the engine ---------------------------------------------------------------------------------
 
 
+def test_lattice_tree_holds_the_most_probable_paths():
+    """Against brute force: every path of up to 4 slots through a random lattice (K = 3), each
+    node branching into its 2 likeliest successors, its probability the product of
+    softmax(S_t(previous, .)) along it; the tree's 6 nodes are the 6 likeliest such paths, and each
+    node's q is its probability given its parent."""
+    gen = torch.Generator().manual_seed(5)
+    T, K = 4, 3
+    scores = torch.randn(T, K, K, generator=gen) * 2
+    candidates = torch.arange(T * K).reshape(T, K) + 100
+    lattice = Lattice(candidates=candidates, unary=torch.zeros(T, K), scores=scores, anchor=7)
+    probs = torch.softmax(scores, dim=-1)
+    paths = {}  # ranks -> probability
+
+    def grow(ranks: tuple[int, ...], p: float) -> None:
+        if len(ranks) == T:
+            return
+        row = probs[len(ranks), ranks[-1] if ranks else 0]
+        for r in row.topk(2).indices.tolist():
+            paths[ranks + (r,)] = p * float(row[r])
+            grow(ranks + (r,), p * float(row[r]))
+
+    grow((), 1.0)
+    best = sorted(paths, key=paths.get, reverse=True)[:6]
+    tree, q = lattice_tree(lattice, 6, 2)
+    got = []
+    for node in range(len(tree)):
+        nodes = tree.path_to(node)
+        got.append(tuple(tree.tokens[n] - 100 - 3 * depth for depth, n in enumerate(nodes)))
+    assert sorted(got) == sorted(best)
+    for node, ranks in enumerate(got):
+        previous = ranks[-2] if len(ranks) > 1 else 0
+        assert q[node] == pytest.approx(float(probs[len(ranks) - 1, previous, ranks[-1]]))
+
+
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
-def test_greedy_equals_transformers(tiny_targets, arch):
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_equals_transformers(tiny_targets, arch, tree):
+    """The walk as a chain, or the lattice's most probable paths as a tree: greedy either way."""
     target = tiny_targets[arch]
     drafter = DFlash2EngineDrafter(random_drafter(target, layers=2, block=8, feature_layers=(0, 1)),
-                                   DFlash2Config(gate=False))
+                                   DFlash2Config(gate=False, tree=tree))
+    branched = False
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt).input_ids
         run = generate(target, ids, "dflash2", drafter=drafter, max_new_tokens=29, stop_on_eos=False)
         assert run.output_ids == hf_greedy(target, ids, 29)
         step = run.steps[1]
         assert len(step.tokens) == 7 and len(step.q) == 7
-        assert step.extras["dflash2"]["path_tokens"] == step.tokens
+        is_chain = step.parents == list(range(-1, 6))
+        assert (step.extras["dflash2"]["path_tokens"] == step.tokens) if not tree else step.tokens[0] in (
+            step.extras["dflash2"]["candidates"][0])
+        branched |= not is_chain
+        assert run.config["tree"] is tree
         json.dumps(run.to_dict())
+    assert branched is tree
 
 
 def _fit(target, model, token_ids, prompt_len, steps):

@@ -63,7 +63,7 @@ def test_identity_start_drafts_what_dflash_drafts(setup):
     _, target, _ = setup
     dflash = start(setup)
     engines = [DFlashEngineDrafter(dflash, DFlashConfig(gate=False, tree=False)),
-               DFlash2EngineDrafter(convert(dflash).eval(), DFlash2Config(gate=False))]
+               DFlash2EngineDrafter(convert(dflash).eval(), DFlash2Config(gate=False, tree=False))]
     for text in PROMPTS:
         ids = target.tokenizer(text).input_ids
         runs = [specflash.generate(target, ids, e.name, drafter=e, max_new_tokens=24, stop_on_eos=False)

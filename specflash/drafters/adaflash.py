@@ -50,8 +50,8 @@ from ..trace import ROOT, RunRecord, StepRecord
 from ..tree import DraftTree
 from ..verify_cost import best_cut, best_node_count, cached_verify_cost
 from .base import Draft
-from .dflash import (DFlashEngineDrafter, DFlashFamilyConfig, argmax_chain, candidate_tree, check_tree_knobs,
-                     drafter_folder, load_dflash_model, verify_rows)
+from .dflash import (DFlashEngineDrafter, DFlashFamilyConfig, argmax_chain, candidate_tree, drafter_folder,
+                     load_dflash_model, verify_rows)
 from .gate import GateDecision
 from .lookup_graft import own_share
 
@@ -75,15 +75,9 @@ class AdaFlashConfig(DFlashFamilyConfig):
     # with the gate on: a step the gate drafts drafts the whole block and the cut picks the width
     # (False: the gate's width, as dflash drafts, and the cut within it)
     whole_block: bool = True
-    # verify the cut's number of tokens as a tree of the block's most probable paths, as dflash
-    # does (dflash.candidate_tree; chains on targets with recurrent layers); False: the chain
-    tree: bool = True
-    tree_width: int = 4  # the top tokens per slot a tree may branch into
-    graft_lookup: bool = True  # prompt lookup's continuation joins the tree as a branch (lookup_graft.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
         if self.rule not in RULES:
             raise MethodConfigError(f"unknown cut rule {self.rule!r}; choose from {', '.join(RULES)}")
         if self.estimate not in ESTIMATES:

@@ -28,8 +28,7 @@ from ..errors import MethodConfigError
 from ..models.local_head import LocalHead, load_local_head
 from ..tree import DraftTree
 from .base import Draft
-from .dflash import (DFlashEngineDrafter, DFlashFamilyConfig, ShadowChain, candidate_tree, check_tree_knobs, gate_cost,
-                     load_dflash_model)
+from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, ShadowChain, candidate_tree, gate_cost, load_dflash_model
 
 _TOP = 3  # alternatives kept in the trace per drafted token
 
@@ -44,13 +43,9 @@ class DeLSConfig(DFlashFamilyConfig):
     beta: float = 0.3
     local_head: str | None = None  # folder of the trained local head (default: the preset's)
     candidates: int = 64  # fuse only the long expert's top tokens (fuse_block); 0 = every token
-    tree: bool = True  # as dflash's: the fused paths as a tree; false: the fused chain
-    tree_width: int = 4
-    graft_lookup: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
         for name in ("alpha", "beta"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:

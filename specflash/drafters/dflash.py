@@ -48,7 +48,13 @@ class DFlashFamilyConfig:
     `draft_dtype` is what the drafter computes in (models/dflash_io.py drafter_dtype and
     drafter_int8: "auto" is bfloat16 beside a float32 target on a CPU with bf16 matrix units, int8
     weights on one without them that has an int8 engine, else the target's dtype); it changes
-    drafting speed, never the output."""
+    drafting speed, never the output. `tree`: verify the block's most probable paths as a tree,
+    as many nodes as the chain would have had tokens, instead of one chain (how each method
+    scores its paths is its own: candidate_tree for DFlash's slots); on a target with recurrent
+    layers, whose state keeps one path, chains all the same (the run's config records what was
+    drafted); `tree_width` is how many top tokens per position a tree may branch into.
+    `graft_lookup`: where a tree is drafted and prompt lookup is on, its continuation joins the
+    tree as a branch, as far as it pays (lookup_graft.py)."""
 
     max_draft: int | None = None
     gate: bool = True
@@ -57,6 +63,9 @@ class DFlashFamilyConfig:
     draft_dtype: str = "auto"
     lookup: bool = True
     lookup_max_ngram: int = 3
+    tree: bool = True
+    tree_width: int = 4
+    graft_lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
@@ -77,24 +86,13 @@ class DFlashFamilyConfig:
         if self.draft_dtype not in DRAFTER_DTYPE_CHOICES:
             raise MethodConfigError(f"draft_dtype must be one of {', '.join(DRAFTER_DTYPE_CHOICES)}, "
                                     f"got {self.draft_dtype!r}")
+        check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
 
 
 @dataclass(frozen=True)
 class DFlashConfig(DFlashFamilyConfig):
-    """DFlash's knobs: the family's, and `tree`: verify the drafter's most probable paths through
-    each slot's top tokens as a tree (candidate_tree), as many nodes as the chain would have had
-    tokens, instead of the argmax chain; on a target with recurrent layers, whose state keeps one
-    path, it drafts chains all the same (the run's config records what it drafted); false: chains.
-    `graft_lookup`: where a tree is drafted and prompt lookup is on, its continuation joins the
-    tree as a branch, as far as it pays (lookup_graft.py)."""
-
-    tree: bool = True
-    tree_width: int = 4  # the top tokens per slot a tree may branch into
-    graft_lookup: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
+    """DFlash's knobs: the family's; its tree is the most probable paths through each slot's top
+    tokens (candidate_tree), slots scored as if independent."""
 
 
 class DFlashEngineDrafter(Drafter):
@@ -110,10 +108,10 @@ class DFlashEngineDrafter(Drafter):
         if cfg.gate and cost is None:
             raise MethodConfigError("the draft gate needs the device's verify-cost curve; pass cost= or gate=False")
         self.cost = cost
-        self.trees = getattr(cfg, "tree", False)
+        self.trees = cfg.tree
 
     def bind(self, target) -> None:
-        self.trees = getattr(self.cfg, "tree", False) and not target.family.recurrent
+        self.trees = self.cfg.tree and not target.family.recurrent
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
@@ -170,7 +168,7 @@ class DFlashEngineDrafter(Drafter):
             draft = self.shadow(context, k)
         else:
             draft = self.draft_block(context, k) if k > 0 else Draft.empty()
-        if found is not None and self.trees and getattr(self.cfg, "graft_lookup", False):
+        if found is not None and self.trees and self.cfg.graft_lookup:
             draft = graft(draft, found, self.gate.rates(), self.gate.cost, self.gate.drafting_cost(k))
         return self.gated(draft, decision, started)
 
@@ -251,7 +249,7 @@ class DFlashEngineDrafter(Drafter):
         precision = "int8" if self.model.int8_head else str(self.model.compute_dtype).removeprefix("torch.")
         return {**asdict(self.cfg), "lookup": self.cfg.lookup and self.cfg.gate, "block_size": self.spec.block_size,
                 "target_layer_ids": list(self.feature_layers), "draft_layers": self.spec.num_layers,
-                "drafter_precision": precision, **({"tree": self.trees} if hasattr(self.cfg, "tree") else {})}
+                "drafter_precision": precision, "tree": self.trees}
 
 
 def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[int], list[float]]:

@@ -8,11 +8,14 @@ the same network (convolutions included) drafting independent per-slot argmaxes.
 refuses a DFlash 1 checkpoint, which has no selector to walk.
 
 Proposals: at temperature 0 the walk takes the argmax of each slot's edge scores given the
-previous choice, and the chain is proposed as point masses (q None), which the greedy rule
-verifies exactly. At T > 0 each slot's token is drawn from q_t = softmax(S_t(previous, .) / T)
+previous choice, and is proposed as point masses (q None), which the greedy rule verifies
+exactly; with `tree` (the default, where the target verifies trees) the proposal is the
+lattice's most probable paths instead, each a product of the selector's q_t(choice | previous
+choice) (`lattice_tree`), as many nodes as the walk had tokens. At T > 0 each slot's token is drawn from q_t = softmax(S_t(previous, .) / T)
 over its K candidates with the run's generator, and q_t (zero outside the candidates) goes to
 verification: speculative sampling with a proposal that depends on the drafted prefix is exact,
-because slot t is only tested after the target accepted the prefix q_t was conditioned on.
+because slot t is only tested after the target accepted the prefix q_t was conditioned on. That
+sampled walk stays a chain (its q_t are the proposal the sampled test reads).
 
 The draft gate (gate.py) works as for dflash: it fixes how many slots are walked, and the
 first k slots of a walk do not depend on the later ones.
@@ -25,6 +28,7 @@ the path independent argmaxes would have taken (rank 0 everywhere, by constructi
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +38,7 @@ import torch
 
 from ..errors import MethodConfigError
 from ..models.dflash2 import DFlash2Drafter, Lattice, Walk, walk
+from ..trace import ROOT
 from ..tree import DraftTree
 from .base import Draft
 from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, gate_cost, load_dflash_model
@@ -55,8 +60,8 @@ class DFlash2EngineDrafter(DFlashEngineDrafter):
         super().__init__(model, cfg, cost)
 
     def shadow_tokens(self, context: list[int], k: int) -> list[int]:
-        """The selector's path, drafted in full: it is chosen over the whole lattice at once."""
-        return list(self.draft_block(context, k).tree.tokens)
+        """The selector's walk, drafted in full: it is chosen over the whole lattice at once."""
+        return list(self.draft_block(context, k).extras["dflash2"]["path_tokens"])
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         lattice = self.model.lattice(self.block_hidden(context)[1 : k + 1], anchor=context[-1])
@@ -66,6 +71,10 @@ class DFlash2EngineDrafter(DFlashEngineDrafter):
             device = self.generator.device if self.generator is not None else self.device
             uniforms = torch.rand(k, generator=self.generator, device=device)
         path = walk(lattice.scores, self.sampling.temperature if sampled else 0.0, uniforms)
+        extras = {"dflash2": lattice_extras(lattice, path, self.spec.block_size, sampled)}
+        if self.trees and not sampled:  # the lattice's most probable paths; the walk stays in the trace
+            tree, q_nodes = lattice_tree(lattice, k, self.cfg.tree_width)
+            return Draft(tree, q=None, q_token=q_nodes, extras=extras)
         chosen = torch.tensor(path.ranks, device=lattice.candidates.device)[:, None]
         tokens = lattice.candidates.gather(1, chosen)[:, 0].tolist()
         q_token = path.q.gather(1, chosen.to(path.q.device))[:, 0].tolist()
@@ -73,14 +82,37 @@ class DFlash2EngineDrafter(DFlashEngineDrafter):
         if sampled:  # the proposal distributions over the target's vocabulary
             q = torch.zeros(k, self.spec.vocab_size, device=path.q.device)
             q.scatter_(1, lattice.candidates.to(q.device), path.q)
-        draft = Draft(DraftTree.chain(tokens), q=q, q_token=q_token,
-                      extras={"dflash2": lattice_extras(lattice, path, self.spec.block_size, sampled)})
-        return draft
+        return Draft(DraftTree.chain(tokens), q=q, q_token=q_token, extras=extras)
 
     def config_dict(self) -> dict[str, Any]:
         spec = self.spec
         return {**super().config_dict(), "selector_top_k": spec.selector_top_k, "selector_rank": spec.selector_rank,
                 "conv_kernel_size": spec.conv_kernel_size, "conv_group_size": spec.conv_group_size}
+
+
+def lattice_tree(lattice: Lattice, nodes: int, width: int) -> tuple[DraftTree, list[float]]:
+    """The `nodes` most probable paths through the lattice as a draft tree, and each node's
+    probability given its parent. A path's probability is the product along it of the selector's
+    q_t(choice | previous choice) = softmax(S_t(previous, .)), each node branching into its `width`
+    likeliest successors. Why: unlike DFlash's slots, scored as if independent, the selector
+    scores every successor given its actual predecessor, so each branch continues as the selector
+    would continue it. Best-first, so every kept path's prefix is kept."""
+    probs = torch.softmax(lattice.scores.float(), dim=-1)  # [T, K, K]
+    top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+    p, ranks, candidates = top.values.tolist(), top.indices.tolist(), lattice.candidates.tolist()
+    heap = [(-q, 0, rank, ROOT, q) for q, rank in zip(p[0][0], ranks[0][0])]  # slot 0 reads the anchor's row
+    heapq.heapify(heap)
+    tokens, parents, q_nodes = [], [], []
+    while heap and len(tokens) < nodes:
+        neg, slot, rank, parent, q = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(candidates[slot][rank])
+        parents.append(parent)
+        q_nodes.append(q)
+        if slot + 1 < len(p):
+            for q_next, next_rank in zip(p[slot + 1][rank], ranks[slot + 1][rank]):
+                heapq.heappush(heap, (neg * q_next, slot + 1, next_rank, node, q_next))
+    return DraftTree(tuple(tokens), tuple(parents)), q_nodes
 
 
 def _number(x: float) -> float | None:

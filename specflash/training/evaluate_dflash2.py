@@ -110,7 +110,7 @@ def engines(target, dflash: str | None, dflash2: Seq[str], labels: Seq[str], see
         model = load_drafter(drafter_folder(folder), target)
         if not isinstance(model, DFlash2Drafter):
             model = from_dflash(model, torch.Generator().manual_seed(seed)).eval()
-        out[label] = DFlash2EngineDrafter(model, DFlash2Config(gate=False))
+        out[label] = DFlash2EngineDrafter(model, DFlash2Config(gate=False, tree=False))
     return out
 
 
