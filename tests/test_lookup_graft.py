@@ -11,7 +11,7 @@ from specflash.drafters.adaflash import AdaFlashConfig, AdaFlashDrafter
 from specflash.drafters.base import Draft
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, verify_rows
 from specflash.drafters.gate import DraftGate
-from specflash.drafters.lookup_graft import graft, graft_width, own_share, survival
+from specflash.drafters.lookup_graft import best_graft, graft, grafted_value, own_share, survival
 from specflash.drafters.lookup_source import Continuation
 from specflash.errors import MethodConfigError
 from specflash.trace import ROOT
@@ -38,14 +38,19 @@ def test_chain_follows_the_tree_then_branches_off():
 def test_graft_width_weighs_each_row_against_what_it_adds():
     tree, look = [0.5, 0.25], [0.9, 0.81, 0.729]
     assert survival([0.5, 0.5, 0.5], 2) == [0.5, 0.25]
-    assert graft_width(tree, look, shared=0, nodes=2, cost=FLAT) == 3  # free rows: all of it
-    assert graft_width(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 5, 5, 5]) == 0  # a row costs 4 more steps
+    assert best_graft(tree, look, shared=0, nodes=2, cost=FLAT)[0] == 3  # free rows: all of it
+    assert best_graft(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 5, 5, 5])[0] == 0  # a row costs 4 more steps
     # one more row costs 0.1: the first token adds 0.9 * (1 - 0.5) = 0.45 over 1.75, worth it; the
     # second 0.81 * 0.75 = 0.61 for another 0.1, worth it; the third 0.73 for 3.0x: (2.81 + 0.73) / 4.3 < 2.81 / 1.3
-    assert graft_width(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 1.1, 1.2, 4.3]) == 2
-    assert graft_width(tree, look, shared=1, nodes=2, cost=[1, 1, 1, 1.1]) == 2  # its first token is in the tree
-    assert graft_width(tree, look, shared=3, nodes=2, cost=FLAT) == 0  # nothing new
-    assert graft_width(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 1]) == 1  # the curve ends at 4 rows
+    assert best_graft(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 1.1, 1.2, 4.3])[0] == 2
+    assert best_graft(tree, look, shared=1, nodes=2, cost=[1, 1, 1, 1.1])[0] == 2  # its first token is in the tree
+    assert best_graft(tree, look, shared=3, nodes=2, cost=FLAT)[0] == 0  # nothing new
+    assert best_graft(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 1])[0] == 1  # the curve ends at 4 rows
+    # the value of drafting 3 nodes (a chain at 0.5: 1 + 0.5 + 0.25 + 0.125) with all 3 lookup tokens
+    # grafted on free rows: + 0.9 * 0.5 + 0.81 * 0.75 + 0.729 * 0.875
+    found = Continuation([7, 8, 9], ngram=2, rates=[0.9] * 3)
+    assert grafted_value([0.5] * 7, 3, found, FLAT) == pytest.approx(1.875 + 0.45 + 0.6075 + 0.637875)
+    assert grafted_value([0.5] * 7, 3, found, [1, 1, 1, 1, 9, 9, 9], draft_cost=0.5) == pytest.approx(1.875 / 1.5)
 
 
 def test_graft_appends_after_the_drafters_nodes_and_says_so():
@@ -135,3 +140,33 @@ def test_no_graft_without_trees_or_when_switched_off(tiny_targets):
         run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=30)
         assert run.output_ids == hf_greedy(target, prompt_ids, 30)
         assert not any("graft" in s.extras for s in run.steps)
+
+
+def test_drafting_with_the_graft_is_what_lookup_alone_must_beat(tiny_targets, monkeypatch):
+    """Lookup's estimates at 0.95, the drafter's at 0.9, verification and drafting free: prompt
+    lookup alone beats the drafter's chain (6.6 against 5.2 expected tokens for 7), so without
+    grafts it drafts steps alone; with grafts, drafting and grafting it is worth more still (7.0),
+    so no step goes to lookup alone and the continuation rides on the drafter's trees."""
+    import specflash.drafters.dflash as dflash_module
+
+    monkeypatch.setattr(dflash_module, "DraftGate", lambda *a, **kw: DraftGate(*a, **{**kw, "draft_cost": 0.0}))
+    period = [11, 42, 7, 93, 25, 60]
+    target = _looping(tiny_targets["qwen3"], period)
+    prompt_ids = period * 2 + period[:2]
+    model = vocab_drafter(target, [11, 42, 7, 93], feature_layers=(1,))
+
+    class Confident(DFlashEngineDrafter):
+        def begin(self, prompt_ids, sampling, generator) -> None:
+            super().begin(prompt_ids, sampling, generator)
+            self.lookups.accept = {n: [0.95] * len(r) for n, r in self.lookups.accept.items()}
+            self.gate.accept = [0.9] * self.draft_len
+
+        def verified(self, draft, logits, path, committed) -> None:  # keep the estimates where they were set
+            pass
+
+    runs = {graft_on: generate(target, prompt_ids, drafter=Confident(model, DFlashConfig(graft_lookup=graft_on), FLAT),
+                               max_new_tokens=24) for graft_on in (False, True)}
+    assert runs[False].output_ids == runs[True].output_ids == hf_greedy(target, prompt_ids, 24)
+    looked_up = {g: sum("lookup" in s.extras for s in run.steps) for g, run in runs.items()}
+    assert looked_up[False] > 0 and looked_up[True] == 0
+    assert any("graft" in s.extras for s in runs[True].steps)

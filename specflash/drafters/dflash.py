@@ -29,7 +29,7 @@ from ..trace import ROOT
 from ..tree import DraftTree
 from .base import Draft, Drafter
 from .gate import DraftGate, GateDecision
-from .lookup_graft import graft, own_share
+from .lookup_graft import graft, grafted_value, own_share
 from .lookup_source import Continuation, LookupSource
 
 
@@ -161,7 +161,7 @@ class DFlashEngineDrafter(Drafter):
         started = time.perf_counter()
         k, decision = self.step_width(context, max_len)
         found = self.continuation(context, max_len)
-        lookup = self.lookup_draft(found, max_len) if found is not None else None
+        lookup = self.lookup_draft(found, max_len, k, decision) if found is not None else None
         if lookup is not None:
             return self.gated(*lookup, started)
         if decision is not None and decision.state == "shadow":
@@ -179,11 +179,18 @@ class DFlashEngineDrafter(Drafter):
             return None
         return self.lookups.find(context, min(self.draft_len, max_len))
 
-    def lookup_draft(self, found: Continuation, max_len: int) -> tuple[Draft, GateDecision] | None:
+    def lookup_draft(self, found: Continuation, max_len: int, k: int,
+                     decision: GateDecision | None) -> tuple[Draft, GateDecision] | None:
         """Prompt lookup's draft and the decision that picked it, when its continuation is worth
-        more this step than anything the gate would do with the drafter."""
+        more this step than anything the gate would do with the drafter: where the gate drafts k
+        tokens and the continuation would be grafted onto the tree, that includes drafting with it
+        grafted on."""
         room = min(self.draft_len, max_len)
-        offer = self.lookups.offer(found, self.gate.cost, self.gate.best_value(room))
+        against = self.gate.best_value(room)
+        if self.trees and self.cfg.graft_lookup and k and decision is not None and decision.state in ("on", "probe"):
+            against = max(against, grafted_value(self.gate.rates(), k, found, self.gate.cost,
+                                                 self.gate.drafting_cost(k)))
+        offer = self.lookups.offer(found, self.gate.cost, against)
         if offer is None:
             return None
         n, width = offer.ngram, len(offer.tokens)

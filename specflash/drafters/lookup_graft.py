@@ -38,11 +38,12 @@ def survival(rates: Sequence[float], depth: int) -> list[float]:
     return list(accumulate(rates[:depth], mul))
 
 
-def graft_width(tree_survival: Sequence[float], lookup_survival: Sequence[float], shared: int, nodes: int,
-                cost: Sequence[float], draft_cost: float = 0.0) -> int:
+def best_graft(tree_survival: Sequence[float], lookup_survival: Sequence[float], shared: int, nodes: int,
+               cost: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
     """How many of the continuation's tokens to graft onto a tree of `nodes` nodes that already
-    holds its first `shared`: 0 when no new token is worth its row. `cost` [c(1), c(2), ...]:
-    verifying n rows costs c(n) plain steps; a width needing more rows than the curve has is out."""
+    holds its first `shared` (0 when no new token is worth its row), and what the step is then
+    worth, expected committed tokens per unit cost. `cost` [c(1), c(2), ...]: verifying n rows
+    costs c(n) plain steps; a width needing more rows than the curve has is out."""
     expected = 1.0 + sum(tree_survival)
     best, best_value, gain = 0, expected / (cost[nodes] + draft_cost), 0.0
     for m in range(shared + 1, len(lookup_survival) + 1):
@@ -54,12 +55,21 @@ def graft_width(tree_survival: Sequence[float], lookup_survival: Sequence[float]
         value = (expected + gain) / (cost[rows - 1] + draft_cost)
         if value > best_value:
             best, best_value = m, value
-    return best
+    return best, best_value
+
+
+def grafted_value(tree_rates: Sequence[float], nodes: int, found: Continuation, cost: Sequence[float],
+                  draft_cost: float = 0.0) -> float:
+    """What drafting `nodes` with the continuation grafted on is worth, judged before drafting:
+    the drafter's nodes as a chain at its running rates, none of the continuation shared (for a
+    step that chooses between drafting and prompt lookup alone, lookup_source.py)."""
+    return best_graft(survival(tree_rates, nodes), survival(found.rates, len(found.tokens)), 0, nodes, cost,
+                      draft_cost)[1]
 
 
 def graft(draft: Draft, found: Continuation, tree_rates: Sequence[float], cost: Sequence[float],
           draft_cost: float = 0.0) -> Draft:
-    """The drafter's point-mass draft with as much of the continuation added as pays (graft_width):
+    """The drafter's point-mass draft with as much of the continuation added as pays (best_graft):
     new nodes come after the drafter's, with no drafter probability (q None), and the draft's
     extras say which (`graft`: the grafted tokens, the n-gram, how many the tree already held, the
     first grafted node)."""
@@ -68,8 +78,8 @@ def graft(draft: Draft, found: Continuation, tree_rates: Sequence[float], cost: 
         return draft
     _, shared = tree.with_chain(found.tokens)
     depth = max(tree.depths())
-    width = graft_width(survival(tree_rates, depth), survival(found.rates, len(found.tokens)), shared, len(tree),
-                        cost, draft_cost)
+    width, _ = best_graft(survival(tree_rates, depth), survival(found.rates, len(found.tokens)), shared, len(tree),
+                          cost, draft_cost)
     if not width:
         return draft
     grown, _ = tree.with_chain(found.tokens[:width])
