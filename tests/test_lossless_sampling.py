@@ -85,14 +85,15 @@ def _dflash(target: TargetModel, draft_ids: list[int] | None, gate: bool,
     """A random DFlash drafter over the 8-token vocabulary, optionally with a reduced draft
     vocabulary, the draft gate (a flat verify cost, so the gate keeps drafting), prompt lookup
     beside it (its estimates primed at `lookup_rate`), computing in another dtype than the float32
-    target, or drafting trees (with the gate: always)."""
+    target, or drafting trees (and with the gate and lookup, grafting lookup's continuation onto them)."""
     spec = DFlashSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                       vocab_size=V, block_size=3, num_target_layers=1, target_layer_ids=(0,), mask_token_id=V - 1)
     model = new_drafter(spec, target, None if draft_ids is None else torch.tensor(draft_ids))
     model.init_weights(torch.Generator().manual_seed(3), std=0.5)
     model.to(dtype)
     if gate:
-        drafter = _PrimedGateDrafter(model.eval(), DFlashConfig(gate=True, lookup=lookup), [1.0] * verify_rows(3))
+        drafter = _PrimedGateDrafter(model.eval(), DFlashConfig(gate=True, lookup=lookup, tree=tree),
+                                     [1.0] * verify_rows(3))
         drafter.lookup_rate = lookup_rate
         return drafter
     return DFlashEngineDrafter(model.eval(), DFlashConfig(gate=False, tree=tree))
@@ -139,9 +140,9 @@ def _methods(target):
         "pld": lambda: PromptLookupDrafter(PromptLookupConfig(k=2, max_ngram=2)),
         "tree": lambda: TwoBranchDrafter(),
         "dflash-d2t": lambda: _dflash(target, [0, 2, 3, 5], gate=False),
-        "dflash-gated": lambda: _dflash(target, None, gate=True),
-        "dflash-lookup": lambda: _dflash(target, None, gate=True, lookup=True),
-        "dflash-graft": lambda: _dflash(target, None, gate=True, lookup=True, lookup_rate=0.6),
+        "dflash-gated": lambda: _dflash(target, None, gate=True, tree=True),
+        "dflash-lookup": lambda: _dflash(target, None, gate=True, lookup=True),  # chains: lookup drafts alone
+        "dflash-graft": lambda: _dflash(target, None, gate=True, lookup=True, tree=True, lookup_rate=0.6),
         "dflash-bf16": lambda: _dflash(target, [0, 2, 3, 5], gate=False, dtype=torch.bfloat16),
         "dflash-tree": lambda: _dflash(target, None, gate=False, tree=True),
         "dflash2": lambda: _dflash2(target),
