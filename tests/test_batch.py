@@ -132,6 +132,16 @@ def test_cost_rule_cuts_the_whole_batch_at_the_common_cut(tiny_targets):
     assert max(cuts) > 1 and own_differs  # the cut moved, and some row alone would have cut elsewhere
 
 
+def test_a_batch_records_the_chains_it_drafted(tiny_targets):
+    """A single drafter configured for trees (the default) drafts chains in a batch, and the
+    batch's runs say so."""
+    target = tiny_targets["llama"]
+    drafter = DFlashEngineDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), DFlashConfig(gate=False))
+    batch = generate_batch(target, encode(target)[:2], drafter=drafter, max_new_tokens=6, stop_on_eos=False)
+    assert all(r.config["tree"] is False for r in batch.runs)
+    assert all(s.parents == list(range(-1, len(s.tokens) - 1)) for r in batch.runs for s in r.steps)
+
+
 def test_batch_of_one_drafts_what_the_single_engine_drafts(tiny_targets):
     target = tiny_targets["llama"]
     ids = encode(target)[1]

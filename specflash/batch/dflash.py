@@ -138,7 +138,7 @@ class BatchDFlash(BatchDrafter):
             self._compact()
 
     def config_dict(self) -> dict[str, Any]:
-        return self.single.config_dict()
+        return {**self.single.config_dict(), "tree": False}  # what it drafted: chains
 
 
 class BatchAdaFlash(BatchDFlash):
