@@ -513,19 +513,20 @@ def lattice_run_summary(steps: Sequence[StepRecord]) -> str:
     argmax_text = (f"exactly **{argmax:.2f}**" if not bound else
                    f"at least **{argmax:.2f}** (exact on {n - bound} steps; on {bound} it matched every target token "
                    f"the trace knows, so only a lower bound is known there)")
-    if sampled:
+    trees = [s for s in steps if step_lattice(s) and leaf_count(s.parents) > 1]  # greedy runs only
+    if trees:  # the walk is one path of a tree: what verifying it alone would have accepted, at T = 0
+        accepted = sum(len(s.accepted) for s in steps if step_lattice(s)) / n
+        head = (f"Draft tokens agreeing with the target per step, what verifying each path alone would have "
+                f"accepted: the selector's walked path **{walked:.2f}**; the independent-argmax path {argmax_text}. "
+                f"{len(trees)} of the steps verified a tree of the lattice's most probable paths instead (the walk "
+                f"among them where the tree held it), accepting **{accepted:.2f}** draft tokens per step.")
+    elif sampled:
         head = (f"Draft tokens agreeing with the target per step: the selector's walked path **{walked:.2f}** (its "
                 f"accepted tokens); the independent-argmax path {argmax_text}. Sampled run: the argmax figure counts "
                 f"matches with the target's sampled tokens, not what verifying that path would have accepted.")
     else:
         head = (f"Accepted draft tokens per step: the selector's walked path **{walked:.2f}**; the independent-argmax "
                 f"path would have had {argmax_text}.")
-    trees = [s for s in steps if step_lattice(s) and leaf_count(s.parents) > 1]
-    if trees:
-        accepted = sum(len(s.accepted) for s in steps if step_lattice(s)) / n
-        head += (f" {len(trees)} of the steps verified a tree of the lattice's most probable paths (the walk is one of "
-                 f"them where the tree held it), accepting **{accepted:.2f}** draft tokens per step; the figures above "
-                 "are the walk's and the argmax path's agreement with the target's tokens.")
     return (
         f"**DFlash 2 lattice, {n} drafted steps.** {head}\n\n"
         f"The two paths differ in {differ} of {n} steps. Of the {len(mattered)} where "

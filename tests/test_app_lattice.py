@@ -257,3 +257,4 @@ def test_a_tree_step_maps_the_walk_onto_its_nodes():
     assert "Another path of the step" in summary and "tree went on from there" in summary
     run_summary = vl.lattice_run_summary([PREFILL, tree])
     assert "1 of the steps verified a tree" in run_summary and "accepting **4.00** draft tokens" in run_summary
+    assert run_summary.startswith("**DFlash 2 lattice, 1 drafted steps.** Draft tokens agreeing with the target")
