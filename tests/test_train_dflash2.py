@@ -260,6 +260,15 @@ def test_dflash_trainer_grows_a_shallower_drafter(setup, tmp_path):
     train(tmp_path / "grow", "--layers", "2", "--init-from", str(tmp_path / "one" / "export"))
     export = tmp_path / "grow" / "export"
     assert json.loads((export / "config.json").read_text())["num_hidden_layers"] == 2
+    # continuing it takes its shape from its config; a flag given still wins
+    base = ["--model", str(model_dir), "--data", str(tmp / "data"), "--init-from", str(export)]
+    adopted = dflash.parse_args(base)
+    assert (adopted.layers, adopted.target_layer_ids, adopted.block_size) == (2, [1], 8)
+    assert dflash.parse_args([*base, "--layers", "3", "--feature-layers", "2"]).layers == 3
+    assert dflash.parse_args([*base, "--feature-layers", "2"]).target_layer_ids is None
+    assert dflash.parse_args(base[:4]).layers == 1  # no drafter to start from: the defaults
+    train(tmp_path / "again", "--init-from", str(export))  # no --layers: it had failed on the shape
+    assert json.loads((tmp_path / "again" / "export" / "config.json").read_text())["num_hidden_layers"] == 2
     ids = target.tokenizer(PROMPTS[0]).input_ids
     ar = specflash.generate(target, ids, "ar", max_new_tokens=16, stop_on_eos=False)
     run = specflash.generate(target, ids, "dflash", drafter=str(export), options={"gate": False},

@@ -429,6 +429,24 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def adopt_shape(args: argparse.Namespace) -> None:
+    """Shape options not given take the `--init-from` drafter's (depth, block size, feature
+    layers, MLP width, mask token), then the defaults. Why: continuing a drafter is the common
+    case, and its shape is in its config; a flag that must repeat it broke the GPU recipe when the
+    shipped drafter grew a layer. A flag given still wins (`--layers` above its depth grows it)."""
+    if args.init_from:
+        saved = spec_from_config(read_config(args.init_from))
+        args.layers = args.layers if args.layers is not None else saved.num_layers
+        args.block_size = args.block_size if args.block_size is not None else saved.block_size
+        if args.feature_layers is None and args.target_layer_ids is None:
+            args.target_layer_ids = list(saved.target_layer_ids)
+        args.intermediate_size = args.intermediate_size or saved.intermediate_size
+        args.mask_token_id = args.mask_token_id if args.mask_token_id is not None else saved.mask_token_id
+    args.layers = args.layers if args.layers is not None else 1
+    args.block_size = args.block_size if args.block_size is not None else 8
+    args.feature_layers = args.feature_layers if args.feature_layers is not None else 3
+
+
 def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specflash.training.dflash", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="local Hugging Face folder of the target")
@@ -439,9 +457,11 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="run", help="run name: the cache folder is train/dflash-NAME")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: per-user cache)")
     p.add_argument("--export", type=Path, default=None, help="also copy the final fp16 drafter here")
-    p.add_argument("--layers", type=int, default=1, help="draft decoder layers")
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--feature-layers", type=int, default=3, help="how many target layers feed the drafter")
+    p.add_argument("--layers", type=int, default=None, help="draft decoder layers (default: the --init-from "
+                   "drafter's, else 1; more than it has grows it)")
+    p.add_argument("--block-size", type=int, default=None, help="default: the --init-from drafter's, else 8")
+    p.add_argument("--feature-layers", type=int, default=None,
+                   help="how many target layers feed the drafter (default: the --init-from drafter's layers, else 3)")
     p.add_argument("--target-layer-ids", type=_ints, default=None, help="explicit comma list (overrides the count)")
     p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask or an unused special")
@@ -490,6 +510,7 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    adopt_shape(args)
     default_epochs(args)
     resolve_precision(args)
     for flag in ("layers", "feature_layers", "anchors", "seqs_per_step", "epochs", "save_every", "log_every",
