@@ -12,12 +12,13 @@ from conftest import LOSSLESS_ARCHS, hf_greedy
 from test_dflash import random_drafter
 from specflash.api import generate
 from specflash.config import SamplingConfig
-from specflash.drafters.dels import DeLSConfig, DeLSDrafter, fuse_block
+from specflash.drafters.dels import DeLSConfig, DeLSDrafter, Fusion, fuse_block, fused_tree
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError, SpecFlashError
 from specflash.models.local_head import LocalHeadSpec, build_local_head, load_local_head, save_local_head
 from specflash.training.data import Sample
 from specflash.training.local_head import anchored_blocks, block_loss, unigram_log_prior
+from specflash.tree import DraftTree
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick brown"]
 
@@ -33,17 +34,53 @@ def random_head(target, seed=0, hidden=32, std=0.3):
 
 
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
-def test_dels_greedy_equals_transformers(tiny_targets, arch):
+@pytest.mark.parametrize("tree", [False, True])
+def test_dels_greedy_equals_transformers(tiny_targets, arch, tree):
+    """Greedy either way. A chain records every position; a tree records its fused chain (the
+    root's likeliest child, then that node's, ...) as far as the tree expanded it, a path of it."""
     target = tiny_targets[arch]
-    drafter = DeLSDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), DeLSConfig(gate=False, alpha=0.7, beta=0.3),
-                          random_head(target))
+    cfg = DeLSConfig(gate=False, alpha=0.7, beta=0.3, tree=tree)
+    drafter = DeLSDrafter(random_drafter(target, block=8, feature_layers=(0, 1)), cfg, random_head(target))
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt).input_ids
         run = generate(target, ids, drafter=drafter, max_new_tokens=33, stop_on_eos=False)
         assert run.output_ids == hf_greedy(target, ids, 33)
-        dels = run.steps[1].extras["dels"]
-        assert len(dels["long"]) == len(dels["flipped"]) == len(run.steps[1].tokens) == 7
+        step = run.steps[1]
+        dels = step.extras["dels"]
+        assert len(dels["long"]) == len(dels["flipped"]) == len(dels["chain"]) and len(step.tokens) == 7
+        held = len(DraftTree(tuple(step.tokens), tuple(step.parents)).follow(dels["chain"]))
+        if tree:  # every chain token is a node, but perhaps the last: its parent's record named it, unpopped
+            assert 1 <= held and held in (len(dels["chain"]), len(dels["chain"]) - 1)
+        else:
+            assert held == len(dels["chain"]) == 7
     assert any(any(s.extras["dels"]["flipped"]) for s in run.steps[1:] if s.tokens), "the short expert should change something"
+
+
+def test_a_tree_scores_each_branch_with_the_head_after_its_own_path(tiny_targets):
+    """Against brute force: every path of up to 4 positions, each node branching into its 2
+    likeliest fused successors, its probability the product along it of the fused softmax with the
+    local head having read that path's own tokens; the tree's 5 nodes are the 5 likeliest."""
+    target = tiny_targets["qwen3"]
+    fusion = Fusion(random_head(target, seed=2), alpha=0.9, beta=0.2, width=2)
+    long = torch.randn(4, target.vocab_size, generator=torch.Generator().manual_seed(6)) * 2
+    prior = fusion.prior(long.device)
+    paths = {}  # tokens -> probability
+
+    def grow(tokens: tuple[int, ...], state, p: float) -> None:
+        if len(tokens) == len(long):
+            return
+        record, after = fusion.step(long[len(tokens)], tokens[-1] if tokens else 7, state, prior)
+        for q, token in zip(*record["top"]):
+            paths[tokens + (token,)] = p * q
+            grow(tokens + (token,), after, p * q)
+
+    with torch.no_grad():
+        grow((), None, 1.0)
+        tree, q, chain = fused_tree(long, fusion, 7, 5)
+    best = sorted(paths, key=paths.get, reverse=True)[:5]
+    got = [tuple(tree.tokens[n] for n in tree.path_to(node)) for node in range(len(tree))]
+    assert sorted(got) == sorted(best)
+    assert [r["token"] for r in chain][:1] == [max((t for t in paths if len(t) == 1), key=paths.get)[0]]
 
 
 def test_fusion_over_a_draft_vocabulary_equals_the_full_one(tiny_targets):

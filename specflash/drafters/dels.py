@@ -8,17 +8,17 @@ the local head then walks the block left to right, and each drafted token is
 where l_prior is the log unigram frequency of the local head's training tokens (both experts
 already carry that frequency prior; subtracting it once avoids counting it twice). alpha =
 beta = 0 is exactly `dflash`. Like DFlash's, the draft is a tree of the block's most probable
-paths (`tree`, by default, where the target verifies trees): here through each position's top
-fused tokens, the local head having read the fused chain (a runner-up's successors are scored as
-if the chain's token came first, as DFlash scores its slots as if independent). Point-mass
-proposals either way, so the engine's verification keeps the method lossless at every
-temperature.
+paths (`tree`, by default, where the target verifies trees), each node's successors fused with
+the local head after it read that node's own path (`fused_tree`). Point-mass proposals either
+way, so the engine's verification keeps the method lossless at every temperature.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from itertools import count
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,10 @@ import torch
 
 from ..errors import MethodConfigError
 from ..models.local_head import LocalHead, load_local_head
+from ..trace import ROOT
 from ..tree import DraftTree
 from .base import Draft
-from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, ShadowChain, candidate_tree, gate_cost, load_dflash_model
+from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, ShadowChain, gate_cost, load_dflash_model
 
 _TOP = 3  # alternatives kept in the trace per drafted token
 
@@ -87,46 +88,52 @@ def collect_fused(positions: Iterator[dict[str, Any]]) -> dict[str, Any]:
     return {"tokens": tokens, "q": q, "top": top, "trace": trace}
 
 
-def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int, alpha: float, beta: float,
-                   vocab: torch.Tensor | None = None,
-                   readout: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   candidates: int = 0, width: int = 1) -> Iterator[dict[str, Any]]:
-    """fuse_block one position at a time, each from the next of `long_rows` (DFlash's logits for
-    that slot, [V] or [N]), pulled only when that position is asked for: a shadow draft that
-    misses early never computes the rest (drafters/dflash.py ShadowChain). Each record's `top`
-    holds the position's `width` most probable fused tokens, (probabilities, target ids)."""
-    prior, state, last = None, None, root
-    for row in long_rows:
-        if prior is None:
-            prior = head.log_prior.to(row.device)
-            if vocab is not None:
-                vocab = vocab.to(row.device)
-                prior = prior[vocab]
-        base = row - beta * prior
+@dataclass
+class Fusion:
+    """What fusing one position needs besides its long logits: the local head, the knobs, and
+    the frequency prior over the draft vocabulary (or every token)."""
+
+    head: LocalHead
+    alpha: float
+    beta: float
+    vocab: torch.Tensor | None = None
+    readout: Callable[[torch.Tensor], torch.Tensor] | None = None
+    candidates: int = 0
+    width: int = 1
+
+    def prior(self, device: torch.device) -> torch.Tensor:
+        prior = self.head.log_prior.to(device)
+        return prior if self.vocab is None else prior[self.vocab.to(device)]
+
+    def step(self, row: torch.Tensor, last: int, state: torch.Tensor | None,
+             prior: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """One position: DFlash's logits `row` ([V] or [N]) fused with the local head after it
+        reads `last` from `state`; the position's record and the head's state after `last`."""
+        vocab = None if self.vocab is None else self.vocab.to(row.device)
+        base = row - self.beta * prior
         # the pool in index order, so argmax breaks ties as DFlash's does (the first index): with
         # bf16 drafter logits, ties at the top are common, and topk orders them arbitrarily
-        pool = base.topk(candidates).indices.sort().values if 0 < candidates < base.numel() else None
+        pool = base.topk(self.candidates).indices.sort().values if 0 < self.candidates < base.numel() else None
         scores = base if pool is None else base[pool]
-        if alpha:
-            rows = readout if pool is None else head.readout_rows(pool if vocab is None else vocab[pool])
-            short, state = head(torch.tensor([[last]], device=row.device), state, rows)
+        if self.alpha:
+            rows = self.readout if pool is None else self.head.readout_rows(pool if vocab is None else vocab[pool])
+            short, state = self.head(torch.tensor([[last]], device=row.device), state, rows)
             short = short[0, -1]  # over the pool, or every token
         else:
             short = torch.zeros_like(scores)
-        fused = scores + alpha * short
+        fused = scores + self.alpha * short
         j = fused.argmax()
         probs = torch.softmax(fused, -1)
-        best = probs.topk(min(width, probs.numel()))
+        best = probs.topk(min(self.width, probs.numel()))
         # the chosen token, the fused top _TOP and the top `width`, every trace value read in one transfer
         at = torch.cat([j[None], fused.topk(min(_TOP, fused.numel())).indices, best.indices])  # fused positions
         where = at if pool is None else pool[at]  # base indices
         ids = where if vocab is None else vocab[where]
-        values = torch.stack([row[where], alpha * short[at], -beta * prior[where]]).tolist()
+        values = torch.stack([row[where], self.alpha * short[at], -self.beta * prior[where]]).tolist()
         tokens, wheres = ids.tolist(), where.tolist()
-        last = tokens[0]
         n_top = 1 + min(_TOP, fused.numel())
-        yield {
-            "token": last,
+        return {
+            "token": tokens[0],
             "q": float(probs[j]),
             "top": (best.values.tolist(), tokens[n_top:]),
             "long": values[0][0],
@@ -135,7 +142,60 @@ def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int
             "flipped": wheres[0] != int(row.argmax()),
             "alternatives": [{"token": tokens[i], "long": values[0][i], "short": values[1][i], "prior": values[2][i]}
                              for i in range(1, n_top)],
-        }
+        }, state
+
+
+def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int, alpha: float, beta: float,
+                   vocab: torch.Tensor | None = None,
+                   readout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   candidates: int = 0, width: int = 1) -> Iterator[dict[str, Any]]:
+    """fuse_block one position at a time, each from the next of `long_rows` (DFlash's logits for
+    that slot, [V] or [N]), pulled only when that position is asked for: a shadow draft that
+    misses early never computes the rest (drafters/dflash.py ShadowChain). Each record's `top`
+    holds the position's `width` most probable fused tokens, (probabilities, target ids)."""
+    fusion = Fusion(head, alpha, beta, vocab, readout, candidates, width)
+    prior, state, last = None, None, root
+    for row in long_rows:
+        prior = fusion.prior(row.device) if prior is None else prior
+        record, state = fusion.step(row, last, state, prior)
+        last = record["token"]
+        yield record
+
+
+def fused_tree(long_logits: torch.Tensor, fusion: Fusion, root: int, nodes: int) -> tuple[DraftTree, list[float],
+                                                                                         list[dict[str, Any]]]:
+    """The `nodes` most probable paths through the block as a draft tree, each node's successors
+    fused with the local head after it read that node's own path: every branch is scored as the
+    method would continue it, where a tree over the fused chain's per-position tops scores a
+    runner-up's successors as if the chain's token came first. It costs what the chain costs,
+    one fusion per expanded node (the root and each node above the last slot, at most `nodes`).
+    Returns the tree, each node's probability given its parent, and the records of the fused
+    chain (the root's argmax child, its argmax child, ..., as far as they were expanded), for
+    the trace. Best-first over path probabilities, so every kept path's prefix is kept."""
+    prior = fusion.prior(long_logits.device)
+    record, state = fusion.step(long_logits[0], root, None, prior)
+    expanded = {ROOT: record}
+    order = count()  # ties in probability pop in push order, never compared by state
+    heap = [(-p, next(order), 0, token, ROOT, p, state) for p, token in zip(*record["top"])]
+    heapq.heapify(heap)
+    tokens, parents, q = [], [], []
+    while heap and len(tokens) < nodes:
+        neg, _, slot, token, parent, p, state = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(token)
+        parents.append(parent)
+        q.append(p)
+        if slot + 1 < len(long_logits) and len(tokens) < nodes:
+            record, after = fusion.step(long_logits[slot + 1], token, state, prior)
+            expanded[node] = record
+            for p_next, next_token in zip(*record["top"]):
+                heapq.heappush(heap, (neg * p_next, next(order), slot + 1, next_token, node, p_next, after))
+    tree = DraftTree(tuple(tokens), tuple(parents))
+    chain, node = [], ROOT
+    while node in expanded:
+        chain.append(expanded[node])
+        node = next((i for i in tree.children(node) if tokens[i] == expanded[node]["token"]), None)
+    return tree, q, chain
 
 
 class DeLSDrafter(DFlashEngineDrafter):
@@ -150,11 +210,11 @@ class DeLSDrafter(DFlashEngineDrafter):
         vocab = self.model.draft_ids
         return (self.model.logits(hidden) if vocab is None else self.model.draft_logits(hidden)).float()
 
-    def fusion(self, long_rows: Iterator[torch.Tensor], root: int, width: int = 1) -> Iterator[dict[str, Any]]:
+    def fusion(self, long_rows: Iterator[torch.Tensor], root: int) -> Iterator[dict[str, Any]]:
         """fuse_positions with this drafter's head, knobs and draft vocabulary."""
         vocab = self.model.draft_ids
         return fuse_positions(long_rows, self.head, root, self.cfg.alpha, self.cfg.beta, vocab,
-                              None if vocab is None else self.model.draft_logits, self.cfg.candidates, width)
+                              None if vocab is None else self.model.draft_logits, self.cfg.candidates)
 
     def shadow_tokens(self, context: list[int], k: int) -> ShadowChain:
         """The fused chain, each position's long logits and fusion computed when it is scored."""
@@ -166,13 +226,17 @@ class DeLSDrafter(DFlashEngineDrafter):
         """The fused chain's k positions, drafted as it (and recorded in the trace as `chain`), or
         as the tree of the most probable paths through each position's top fused tokens."""
         hidden = self.block_hidden(context)[1 : k + 1]
-        width = self.cfg.tree_width if self.trees else 1
-        fused = collect_fused(self.fusion(iter(self.long_logits(hidden)), context[-1], width))
-        tree, q = DraftTree.chain(fused["tokens"]), fused["q"]
+        long = self.long_logits(hidden)
         if self.trees:
-            probs = torch.tensor([p for p, _ in fused["top"]])
-            ids = torch.tensor([i for _, i in fused["top"]])
-            tree, q = candidate_tree(probs, ids, k, width)
+            vocab = self.model.draft_ids
+            fusion = Fusion(self.head, self.cfg.alpha, self.cfg.beta, vocab,
+                            None if vocab is None else self.model.draft_logits, self.cfg.candidates,
+                            self.cfg.tree_width)
+            tree, q, chain = fused_tree(long, fusion, context[-1], k)
+            fused = collect_fused(iter(chain))
+        else:
+            fused = collect_fused(self.fusion(iter(long), context[-1]))
+            tree, q = DraftTree.chain(fused["tokens"]), fused["q"]
         return Draft(tree, q=None, q_token=q, extras={"dflash": {"block_size": self.spec.block_size},
                                                       "dels": {**fused["trace"], "chain": fused["tokens"]}})
 
