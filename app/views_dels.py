@@ -6,9 +6,11 @@ DeLS (specflash/drafters/dels.py) drafts x_k = argmax(long[k] + alpha * short - 
 (`long`, `short`, `prior`, already scaled and signed, so they add up to the fused logit);
 `flipped`, true when the fused argmax differs from the long expert's own argmax (the short
 expert and the prior together overrode it); and `alternatives`, the fused top 3 with the same
-three contributions each, the drafted token first. Logits only matter relative to each other,
-so the step view compares the drafted token with its runner-up, source by source. Pure: plotly
-figures and HTML strings.
+three contributions each, the drafted token first. A step that verified a tree records these
+for its fused chain (`chain`: the root's likeliest child, then that node's, as far as the tree
+expanded it), and each position takes the verdict of the node that holds it. Logits only matter
+relative to each other, so the step view compares the drafted token with its runner-up, source
+by source. Pure: plotly figures and HTML strings.
 """
 
 from __future__ import annotations
