@@ -7,7 +7,10 @@ stored parent-before-child, so one pass in index order visits every ancestor fir
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -120,3 +123,35 @@ def additive_mask(
         full &= key[None, :] > query[:, None] - window
     mask = torch.zeros(1, 1, t, prefix_len + t, dtype=dtype)
     return mask.masked_fill(~full, torch.finfo(dtype).min)
+
+
+# A node's successor: (its probability given the node, a tie-break key unique among successors,
+# its token, what `successors` needs to list its own successors in turn).
+Successor = tuple[float, Any, int, Any]
+
+
+def best_first_tree(successors: Callable[[int, Any], Iterable[Successor]], nodes: int) -> tuple[DraftTree, list[float]]:
+    """The `nodes` most probable paths of the tree `successors` describes, as a draft tree, and
+    each node's probability given its parent. `successors(node, payload)` lists a node's
+    children (first the root's: ROOT, None); a path's probability is the product along it, and
+    equal ones go to the smaller tie-break key, so payloads are never compared. Best-first, so a
+    path enters only after its parent and every kept path's prefix is kept; a node's successors
+    are asked for only while the budget has room (each call may cost a model step). Why one
+    builder: every drafter that proposes a tree (DFlash's slots, DFlash 2's lattice, DeLS's
+    fusion) keeps its most probable paths this way, and differs only in how it scores a child."""
+    heap: list[tuple[float, Any, int, int, float, Any]] = []
+
+    def push(node: int, payload: Any, neg: float) -> None:
+        for p, tie, token, child in successors(node, payload):
+            heapq.heappush(heap, (neg * p, tie, token, node, p, child))
+
+    push(ROOT, None, -1.0)
+    tokens, parents, q = [], [], []
+    while heap and len(tokens) < nodes:
+        neg, _, token, parent, p, payload = heapq.heappop(heap)
+        tokens.append(token)
+        parents.append(parent)
+        q.append(p)
+        if len(tokens) < nodes:
+            push(len(tokens) - 1, payload, neg)
+    return DraftTree(tuple(tokens), tuple(parents)), q

@@ -15,7 +15,7 @@ from specflash.drafters.lookup_graft import best_graft, graft, grafted_value, ow
 from specflash.drafters.lookup_source import Continuation
 from specflash.errors import MethodConfigError
 from specflash.trace import ROOT
-from specflash.tree import DraftTree
+from specflash.tree import DraftTree, best_first_tree
 from test_draft_vocab import vocab_drafter
 from test_lookup_source import _looping
 
@@ -33,6 +33,24 @@ def test_chain_follows_the_tree_then_branches_off():
     assert TREE.with_chain([5, 6, 7]) == (TREE, 3)
     assert TREE.with_chain([]) == (TREE, 0)
     assert DraftTree((), ()).with_chain([3, 4]) == (DraftTree.chain([3, 4]), 0)
+
+
+def test_best_first_tree_keeps_the_likeliest_paths_and_asks_only_while_there_is_room():
+    """Worked by hand: the root's children 5 (0.6) and 6 (0.4); under 5, 7 (0.9) and 8 (0.1). Paths
+    5: 0.6, 5-7: 0.54, 6: 0.4, 5-8: 0.06; 3 nodes keep 5, 7, 6. Equal probabilities go to the
+    smaller tie key. Successors are asked for the root and each kept node but the last."""
+    children = {ROOT: [(0.6, 0, 5, 0), (0.4, 1, 6, 1)], 0: [(0.9, 2, 7, 2), (0.1, 3, 8, 3)]}
+    asked = []
+
+    def successors(node, payload):
+        asked.append(node)
+        return children.get(payload if payload is not None else ROOT, [])
+
+    tree, q = best_first_tree(successors, 3)
+    assert tree == DraftTree((5, 7, 6), (ROOT, 0, ROOT)) and q == pytest.approx([0.6, 0.9, 0.4])
+    assert asked == [ROOT, 0, 1]
+    tied, _ = best_first_tree(lambda node, payload: [(0.5, 1, 9, None), (0.5, 0, 4, None)] if node == ROOT else [], 2)
+    assert tied.tokens == (4, 9)
 
 
 def test_graft_width_weighs_each_row_against_what_it_adds():

@@ -15,7 +15,6 @@ way, so the engine's verification keeps the method lossless at every temperature
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from itertools import count
@@ -27,7 +26,7 @@ import torch
 from ..errors import MethodConfigError
 from ..models.local_head import LocalHead, load_local_head
 from ..trace import ROOT
-from ..tree import DraftTree
+from ..tree import DraftTree, Successor, best_first_tree
 from .base import Draft
 from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, ShadowChain, gate_cost, load_dflash_model
 
@@ -173,28 +172,23 @@ def fused_tree(long_logits: torch.Tensor, fusion: Fusion, root: int, nodes: int)
     chain (the root's argmax child, its argmax child, ..., as far as they were expanded), for
     the trace. Best-first over path probabilities, so every kept path's prefix is kept."""
     prior = fusion.prior(long_logits.device)
-    record, state = fusion.step(long_logits[0], root, None, prior)
-    expanded = {ROOT: record}
-    order = count()  # ties in probability pop in push order, never compared by state
-    heap = [(-p, next(order), 0, token, ROOT, p, state) for p, token in zip(*record["top"])]
-    heapq.heapify(heap)
-    tokens, parents, q = [], [], []
-    while heap and len(tokens) < nodes:
-        neg, _, slot, token, parent, p, state = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(token)
-        parents.append(parent)
-        q.append(p)
-        if slot + 1 < len(long_logits) and len(tokens) < nodes:
-            record, after = fusion.step(long_logits[slot + 1], token, state, prior)
-            expanded[node] = record
-            for p_next, next_token in zip(*record["top"]):
-                heapq.heappush(heap, (neg * p_next, next(order), slot + 1, next_token, node, p_next, after))
-    tree = DraftTree(tuple(tokens), tuple(parents))
+    expanded: dict[int, dict[str, Any]] = {}  # node -> the record of the position after it
+    order = count()  # ties in probability pop in push order
+
+    def successors(node: int, at: tuple[int, int, torch.Tensor | None] | None) -> list[Successor]:
+        # `at`: the node's slot, its token and the head's state before reading it
+        slot, last, state = (0, root, None) if at is None else (at[0] + 1, at[1], at[2])
+        if slot >= len(long_logits):
+            return []
+        record, after = fusion.step(long_logits[slot], last, state, prior)
+        expanded[node] = record
+        return [(p, next(order), token, (slot, token, after)) for p, token in zip(*record["top"])]
+
+    tree, q = best_first_tree(successors, nodes)
     chain, node = [], ROOT
     while node in expanded:
         chain.append(expanded[node])
-        node = next((i for i in tree.children(node) if tokens[i] == expanded[node]["token"]), None)
+        node = next((i for i in tree.children(node) if tree.tokens[i] == expanded[node]["token"]), None)
     return tree, q, chain
 
 

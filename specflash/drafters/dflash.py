@@ -12,7 +12,6 @@ top-token blocks are far more coherent than tokens sampled independently per pos
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import asdict, dataclass
 from collections.abc import Iterator, Sequence
@@ -25,8 +24,7 @@ from ..errors import CheckpointError, MethodConfigError
 from ..models import row_kernels
 from ..models.dflash import DFlashCache, DFlashDrafter
 from ..models.dflash_io import DRAFTER_DTYPE_CHOICES
-from ..trace import ROOT
-from ..tree import DraftTree
+from ..tree import DraftTree, Successor, best_first_tree
 from .base import Draft, Drafter
 from .gate import DraftGate, GateDecision
 from .lookup_graft import graft, grafted_value, own_share
@@ -279,10 +277,10 @@ def check_tree_knobs(tree: object, width: object, graft_lookup: object) -> None:
 def candidate_tree(probs: torch.Tensor, ids: torch.Tensor | None, nodes: int,
                    width: int = 4) -> tuple[DraftTree, list[float]]:
     """The `nodes` most probable paths through the slots' top `width` tokens, as a draft tree,
-    and each node's probability; `probs` [k, V'] has its columns' target ids in `ids` ([V'],
-    or [k, V'] per row; None: the columns are target ids). Why: a block's slots are scored in one forward, so each offers
-    its runners-up for free, and where the argmax at a slot is doubtful a sibling is worth more
-    than one more token deep. A path scores the product of its slots' probabilities (as if the
+    and each node's probability; `probs` [k, V'] has its columns' target ids in `ids` ([V'], or
+    [k, V'] per row; None: the columns are target ids). Why: a block's slots are scored in one
+    forward, so each offers its runners-up for free, and where the argmax at a slot is doubtful a
+    sibling is worth more than one more token deep. A path scores the product of its slots' probabilities (as if the
     slots were independent: a runner-up's successors were scored as if the argmax came first);
     best-first, so a path enters only after its parent, and every kept path's prefix is kept."""
     top = probs.topk(min(width, probs.shape[-1]), dim=-1)
@@ -291,19 +289,15 @@ def candidate_tree(probs: torch.Tensor, ids: torch.Tensor | None, nodes: int,
         tok = top.indices.tolist()
     else:  # one id per column of probs ([V']), or each row's own ([k, V'])
         tok = (ids[top.indices] if ids.dim() == 1 else ids.gather(1, top.indices)).tolist()
-    heap = [(-p[0][r], (r,), ROOT) for r in range(len(p[0]))]
-    heapq.heapify(heap)
-    tokens, parents, q = [], [], []
-    while heap and len(tokens) < nodes:
-        neg, ranks, parent = heapq.heappop(heap)
-        depth, node = len(ranks) - 1, len(tokens)
-        tokens.append(tok[depth][ranks[-1]])
-        parents.append(parent)
-        q.append(p[depth][ranks[-1]])
-        if depth + 1 < len(p):
-            for r in range(len(p[depth + 1])):
-                heapq.heappush(heap, (neg * p[depth + 1][r], ranks + (r,), node))
-    return DraftTree(tuple(tokens), tuple(parents)), q
+
+    def successors(node: int, ranks: tuple[int, ...] | None) -> list[Successor]:  # a node's ranks per slot
+        prefix = ranks or ()
+        depth = len(prefix)
+        if depth >= len(p):
+            return []
+        return [(p[depth][r], (*prefix, r), tok[depth][r], (*prefix, r)) for r in range(len(p[depth]))]
+
+    return best_first_tree(successors, nodes)
 
 
 class ShadowChain(Sequence[int]):

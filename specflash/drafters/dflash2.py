@@ -11,11 +11,12 @@ Proposals: at temperature 0 the walk takes the argmax of each slot's edge scores
 previous choice, and is proposed as point masses (q None), which the greedy rule verifies
 exactly; with `tree` (the default, where the target verifies trees) the proposal is the
 lattice's most probable paths instead, each a product of the selector's q_t(choice | previous
-choice) (`lattice_tree`), as many nodes as the walk had tokens. At T > 0 each slot's token is drawn from q_t = softmax(S_t(previous, .) / T)
-over its K candidates with the run's generator, and q_t (zero outside the candidates) goes to
-verification: speculative sampling with a proposal that depends on the drafted prefix is exact,
-because slot t is only tested after the target accepted the prefix q_t was conditioned on. That
-sampled walk stays a chain (its q_t are the proposal the sampled test reads).
+choice) (`lattice_tree`), as many nodes as the walk had tokens. At T > 0 each slot's token is
+drawn from q_t = softmax(S_t(previous, .) / T) over its K candidates with the run's generator,
+and q_t (zero outside the candidates) goes to verification: speculative sampling with a
+proposal that depends on the drafted prefix is exact, because slot t is only tested after the
+target accepted the prefix q_t was conditioned on. That sampled walk stays a chain (its q_t are
+the proposal the sampled test reads).
 
 The draft gate (gate.py) works as for dflash: it fixes how many slots are walked, and the
 first k slots of a walk do not depend on the later ones.
@@ -28,7 +29,6 @@ the path independent argmaxes would have taken (rank 0 everywhere, by constructi
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +38,7 @@ import torch
 
 from ..errors import MethodConfigError
 from ..models.dflash2 import DFlash2Drafter, Lattice, Walk, walk
-from ..trace import ROOT
-from ..tree import DraftTree
+from ..tree import DraftTree, Successor, best_first_tree
 from .base import Draft
 from .dflash import DFlashEngineDrafter, DFlashFamilyConfig, gate_cost, load_dflash_model
 
@@ -100,19 +99,14 @@ def lattice_tree(lattice: Lattice, nodes: int, width: int) -> tuple[DraftTree, l
     probs = torch.softmax(lattice.scores.float(), dim=-1)  # [T, K, K]
     top = probs.topk(min(width, probs.shape[-1]), dim=-1)
     p, ranks, candidates = top.values.tolist(), top.indices.tolist(), lattice.candidates.tolist()
-    heap = [(-q, 0, rank, ROOT, q) for q, rank in zip(p[0][0], ranks[0][0])]  # slot 0 reads the anchor's row
-    heapq.heapify(heap)
-    tokens, parents, q_nodes = [], [], []
-    while heap and len(tokens) < nodes:
-        neg, slot, rank, parent, q = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(candidates[slot][rank])
-        parents.append(parent)
-        q_nodes.append(q)
-        if slot + 1 < len(p):
-            for q_next, next_rank in zip(p[slot + 1][rank], ranks[slot + 1][rank]):
-                heapq.heappush(heap, (neg * q_next, slot + 1, next_rank, node, q_next))
-    return DraftTree(tuple(tokens), tuple(parents)), q_nodes
+
+    def successors(node: int, at: tuple[int, int] | None) -> list[Successor]:  # a node's (slot, rank)
+        slot, row = (0, 0) if at is None else (at[0] + 1, at[1])  # slot 0 reads the anchor's row
+        if slot >= len(p):
+            return []
+        return [(q, (slot, r, node), candidates[slot][r], (slot, r)) for q, r in zip(p[slot][row], ranks[slot][row])]
+
+    return best_first_tree(successors, nodes)
 
 
 def _number(x: float) -> float | None:
