@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 
 from specflash.trace import RunRecord, StepRecord
+from specflash.tree import DraftTree
 
 # origin kind -> (legend label, background colour); the labels for sampling (and for callers
 # that do not say the temperature); GREEDY_LABELS replaces what differs at temperature 0.
@@ -230,6 +231,11 @@ def stats_markdown(run: RunRecord) -> str:
     if gate:
         rows.append(("draft gate", gate))
     return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def draft_tree(step: StepRecord) -> DraftTree:
+    """The step's draft as the engine's tree, for its path operations."""
+    return DraftTree(tuple(step.tokens), tuple(step.parents))
 
 
 def leaf_count(parents: Sequence[int]) -> int:

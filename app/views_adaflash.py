@@ -24,8 +24,8 @@ from specflash.drafters.lookup_graft import own_nodes, own_share
 from specflash.trace import RunRecord, StepRecord
 from specflash.tree import DraftTree
 
-from .views import (ORIGINS, STATUS_COLOURS, gate_idle_share, leaf_count, lookup_note, lookup_share, node_status,
-                    token_text)
+from .views import (ORIGINS, STATUS_COLOURS, draft_tree, gate_idle_share, leaf_count, lookup_note, lookup_share,
+                    node_status, token_text)
 
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AdaFlashConfig)}
 WHAT_IT_SHOWS = (
@@ -104,7 +104,7 @@ def step_cut(step: StepRecord, config: Mapping[str, Any]) -> Cut | None:
         return None
     rule = ada.get("rule") or config.get("rule", DEFAULTS["rule"])
     own = own_nodes(len(step.tokens), step.extras)
-    _, accepted = own_share(DraftTree(tuple(step.tokens), tuple(step.parents)), step.extras, step.accepted)
+    _, accepted = own_share(draft_tree(step), step.extras, step.accepted)
     return Cut(step.step, rule, own, accepted, len(ada.get("cut_tokens", [])), ada.get("cut_would_accept"),
                predicted_run(step, rule, config), ada.get("score") if uses_score(rule, config) else None,
                len(step.tokens) - own, step.accepted_len - accepted)

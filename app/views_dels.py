@@ -22,9 +22,9 @@ from typing import Any, Mapping, Sequence
 import plotly.graph_objects as go
 
 from specflash.trace import RunRecord, StepRecord
-from specflash.tree import DraftTree
 
-from .views import STATUS_COLOURS, gate_idle_share, leaf_count, lookup_note, lookup_share, node_status, token_text
+from .views import (STATUS_COLOURS, draft_tree, gate_idle_share, leaf_count, lookup_note, lookup_share, node_status,
+                    token_text)
 
 SOURCES = (("long", "long expert (DFlash, whole context)", "#3366cc"),
            ("short", "short expert (local head, recent tokens)", "#ff9900"),
@@ -97,7 +97,7 @@ def step_positions(step: StepRecord) -> list[Position]:
     alternatives = dels.get("alternatives") or [[] for _ in dels["long"]]
     chain = dels.get("chain", step.tokens)[: len(dels["long"])]
     # a tree step holds the fused chain's first positions as a path; the rest gave way to siblings
-    nodes = DraftTree(tuple(step.tokens), tuple(step.parents)).follow(list(chain))
+    nodes = draft_tree(step).follow(list(chain))
     out = []
     for i, token in enumerate(chain):
         drafted = Candidate(token, dels["long"][i], dels["short"][i], dels["prior"][i])

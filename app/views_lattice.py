@@ -26,9 +26,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from specflash.trace import StepRecord
-from specflash.tree import DraftTree
 
-from .views import STATUS_COLOURS, leaf_count, lookup_note, lookup_share, node_status, token_text
+from .views import STATUS_COLOURS, draft_tree, leaf_count, lookup_note, lookup_share, node_status, token_text
 
 NO_LATTICE = (
     "<p>This tab draws DFlash 2's candidate lattice for every step: the top-K candidates of each block "
@@ -332,7 +331,7 @@ def walked_status(step: StepRecord, slots: int) -> list[str]:
     or, in a tree step, past the part of the walk the tree held: its nodes went to other paths)."""
     lattice = step_lattice(step)
     walk = list((lattice or {}).get("path_tokens", step.tokens))[:slots]
-    nodes = DraftTree(tuple(step.tokens), tuple(step.parents)).follow(walk)
+    nodes = draft_tree(step).follow(walk)
     status = node_status(step)
     return [status[nodes[i]] if i < len(nodes) else "unverified" for i in range(slots)]
 

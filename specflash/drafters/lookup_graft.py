@@ -76,14 +76,15 @@ def graft(draft: Draft, found: Continuation, tree_rates: Sequence[float], cost: 
     tree = draft.tree
     if not len(tree) or draft.q is not None:
         return draft
-    _, shared = tree.with_chain(found.tokens)
+    whole, shared = tree.with_chain(found.tokens)
     depth = max(tree.depths())
     width, _ = best_graft(survival(tree_rates, depth), survival(found.rates, len(found.tokens)), shared, len(tree),
                           cost, draft_cost)
     if not width:
         return draft
-    grown, _ = tree.with_chain(found.tokens[:width])
-    added = len(grown) - len(tree)
+    added = width - shared  # the continuation's new nodes come in its order, after the drafter's
+    kept = len(tree) + added
+    grown = DraftTree(whole.tokens[:kept], whole.parents[:kept])
     q_token = None if draft.q_token is None else [*draft.q_token, *[None] * added]
     extras = {**draft.extras, "graft": {"tokens": found.tokens[:width], "ngram": found.ngram, "shared": shared,
                                         "first_node": len(tree)}}
