@@ -5,7 +5,7 @@ values it more (lookup_source.py). Choosing one source per step gets the one tha
 average; the two fail on different steps (the drafter misses a name the prompt spelled out, the
 continuation misses where the rewrite changes a word), and a tree can hold both, so verifying
 both gets the better of the two on every step for a few more rows of the one verification
-forward (on the 2-core CPU, two threads: 8 rows cost 1.17 of one, 15 rows about 1.3). Where a
+forward (on the 2-core CPU, two threads: 8 rows cost 1.13 of one, 15 rows 1.37). Where a
 tree drafter's steps left lookup fewer steps of its own, rewrites lost acceptance (docs/dflash.md).
 
 How many of the continuation's tokens join the tree: its first `shared` tokens may already be a
