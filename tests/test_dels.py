@@ -69,7 +69,7 @@ def test_a_tree_scores_each_branch_with_the_head_after_its_own_path(tiny_targets
     def grow(tokens: tuple[int, ...], state, p: float) -> None:
         if len(tokens) == len(long):
             return
-        record, after = fusion.step(long[len(tokens)], tokens[-1] if tokens else 7, state, prior)
+        record, after = fusion.step(fusion.slot(long[len(tokens)], prior), tokens[-1] if tokens else 7, state)
         for q, token in zip(*record["top"]):
             paths[tokens + (token,)] = p * q
             grow(tokens + (token,), after, p * q)

@@ -104,19 +104,27 @@ class Fusion:
         prior = self.head.log_prior.to(device)
         return prior if self.vocab is None else prior[self.vocab.to(device)]
 
-    def step(self, row: torch.Tensor, last: int, state: torch.Tensor | None,
-             prior: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor | None]:
-        """One position: DFlash's logits `row` ([V] or [N]) fused with the local head after it
-        reads `last` from `state`; the position's record and the head's state after `last`."""
-        vocab = None if self.vocab is None else self.vocab.to(row.device)
+    def slot(self, row: torch.Tensor, prior: torch.Tensor) -> FusionSlot:
+        """What fusing at a position needs before the local head speaks, from DFlash's logits
+        `row` ([V] or [N]) alone: the same for every tree node that drafts this position, so a
+        tree prepares it once per position rather than once per node."""
         base = row - self.beta * prior
         # the pool in index order, so argmax breaks ties as DFlash's does (the first index): with
         # bf16 drafter logits, ties at the top are common, and topk orders them arbitrarily
         pool = base.topk(self.candidates).indices.sort().values if 0 < self.candidates < base.numel() else None
-        scores = base if pool is None else base[pool]
+        readout = None
         if self.alpha:
-            rows = self.readout if pool is None else self.head.readout_rows(pool if vocab is None else vocab[pool])
-            short, state = self.head(torch.tensor([[last]], device=row.device), state, rows)
+            vocab = None if self.vocab is None else self.vocab.to(row.device)
+            readout = self.readout if pool is None else self.head.readout_rows(pool if vocab is None else vocab[pool])
+        return FusionSlot(row, prior, base if pool is None else base[pool], pool, readout, int(row.argmax()))
+
+    def step(self, slot: FusionSlot, last: int,
+             state: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """One position: the prepared `slot` fused with the local head after it reads `last` from
+        `state`; the position's record and the head's state after `last`."""
+        row, prior, pool, scores = slot.row, slot.prior, slot.pool, slot.scores
+        if self.alpha:
+            short, state = self.head(torch.tensor([[last]], device=row.device), state, slot.readout)
             short = short[0, -1]  # over the pool, or every token
         else:
             short = torch.zeros_like(scores)
@@ -127,7 +135,7 @@ class Fusion:
         # the chosen token, the fused top _TOP and the top `width`, every trace value read in one transfer
         at = torch.cat([j[None], fused.topk(min(_TOP, fused.numel())).indices, best.indices])  # fused positions
         where = at if pool is None else pool[at]  # base indices
-        ids = where if vocab is None else vocab[where]
+        ids = where if self.vocab is None else self.vocab.to(row.device)[where]
         values = torch.stack([row[where], self.alpha * short[at], -self.beta * prior[where]]).tolist()
         tokens, wheres = ids.tolist(), where.tolist()
         n_top = 1 + min(_TOP, fused.numel())
@@ -138,10 +146,24 @@ class Fusion:
             "long": values[0][0],
             "short": values[1][0],
             "prior": values[2][0],
-            "flipped": wheres[0] != int(row.argmax()),
+            "flipped": wheres[0] != slot.argmax,
             "alternatives": [{"token": tokens[i], "long": values[0][i], "short": values[1][i], "prior": values[2][i]}
                              for i in range(1, n_top)],
         }, state
+
+
+@dataclass(frozen=True)
+class FusionSlot:
+    """One position's part of the fusion that does not depend on the path: DFlash's logits `row`,
+    the prior, the pool's base scores (long - beta * prior over `pool`, or every token when `pool`
+    is None), the local head's readout over the pool, and DFlash's own argmax there."""
+
+    row: torch.Tensor
+    prior: torch.Tensor
+    scores: torch.Tensor
+    pool: torch.Tensor | None
+    readout: Callable[[torch.Tensor], torch.Tensor] | None
+    argmax: int
 
 
 def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int, alpha: float, beta: float,
@@ -156,7 +178,7 @@ def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int
     prior, state, last = None, None, root
     for row in long_rows:
         prior = fusion.prior(row.device) if prior is None else prior
-        record, state = fusion.step(row, last, state, prior)
+        record, state = fusion.step(fusion.slot(row, prior), last, state)
         last = record["token"]
         yield record
 
@@ -172,6 +194,7 @@ def fused_tree(long_logits: torch.Tensor, fusion: Fusion, root: int, nodes: int)
     chain (the root's argmax child, its argmax child, ..., as far as they were expanded), for
     the trace. Best-first over path probabilities, so every kept path's prefix is kept."""
     prior = fusion.prior(long_logits.device)
+    slots: dict[int, FusionSlot] = {}
     expanded: dict[int, dict[str, Any]] = {}  # node -> the record of the position after it
     order = count()  # ties in probability pop in push order
 
@@ -180,7 +203,9 @@ def fused_tree(long_logits: torch.Tensor, fusion: Fusion, root: int, nodes: int)
         slot, last, state = (0, root, None) if at is None else (at[0] + 1, at[1], at[2])
         if slot >= len(long_logits):
             return []
-        record, after = fusion.step(long_logits[slot], last, state, prior)
+        if slot not in slots:
+            slots[slot] = fusion.slot(long_logits[slot], prior)
+        record, after = fusion.step(slots[slot], last, state)
         expanded[node] = record
         return [(p, next(order), token, (slot, token, after)) for p, token in zip(*record["top"])]
 
