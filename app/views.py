@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
+from specflash.drafters.lookup_graft import GRAFTS
 from specflash.trace import RunRecord, StepRecord
 from specflash.tree import DraftTree
 
@@ -272,15 +273,25 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float 
     n, a = len(step.tokens), step.accepted_len
     leaves = leaf_count(step.parents)
     drafted = f"{n} drafted" if leaves == 1 else f"{n} drafted on {leaves} branches of a tree (the parent column)"
-    graft = step.extras.get("graft")
-    if graft:
-        first = graft["first_node"]
-        nodes = f"node {first} is" if first == n - 1 else f"nodes {first}-{n - 1} are"
-        drafted += (f"; {nodes} prompt lookup's continuation (the last {graft['ngram']} token(s) occurred earlier), "
-                    "grafted onto the drafter's tree")
+    for key, first, last in graft_spans(step):
+        nodes = f"node {first} is" if first == last else f"nodes {first}-{last} are"
+        where = "occurred earlier" if key == "graft" else "occurred in the target's earlier answers"
+        drafted += (f"; {nodes} {_GRAFT_SOURCES[key]}'s continuation (the last {step.extras[key]['ngram']} token(s) "
+                    f"{where}), grafted onto the drafter's tree")
     if step.correction_kind == "bonus":
         return f"{why}All {a} drafted tokens on the path were accepted (of {drafted}): {tail}."
     return f"{why}Verification stopped after {a} accepted token(s) of {drafted}: {tail}."
+
+
+_GRAFT_SOURCES = {"graft": "prompt lookup", "datastore": "the datastore"}  # by their extras keys (GRAFTS)
+
+
+def graft_spans(step: StepRecord) -> list[tuple[str, int, int]]:
+    """Each grafted source's nodes in a step, in node order: (its extras key, first node, last
+    node). Grafts append after the tree they were grafted onto, so each runs to the next one's first."""
+    starts = sorted((step.extras[key]["first_node"], key) for key in GRAFTS if key in step.extras)
+    ends = [first for first, _ in starts[1:]] + [len(step.tokens)]
+    return [(key, first, end - 1) for (first, key), end in zip(starts, ends)]
 
 
 def gate_summary(steps: Sequence[StepRecord]) -> str | None:
@@ -290,8 +301,8 @@ def gate_summary(steps: Sequence[StepRecord]) -> str | None:
     if not states:
         return None
     lookup = f", prompt lookup {states.count('lookup')}" if "lookup" in states else ""
-    grafted = sum("graft" in s.extras for s in steps)
-    graft = f" (prompt lookup grafted onto the drafter's tree in {grafted})" if grafted else ""
+    grafted = [f"{_GRAFT_SOURCES[key]} in {count}" for key in GRAFTS if (count := sum(key in s.extras for s in steps))]
+    graft = f" (grafted onto the drafter's tree: {', '.join(grafted)})" if grafted else ""
     return (f"on {states.count('on')}{graft}, off {states.count('off')}, probe {states.count('probe')}, "
             f"shadow {states.count('shadow')}{lookup} steps")
 
@@ -350,14 +361,14 @@ def step_table_html(step: StepRecord, texts: Mapping[int, str], temperature: flo
     columns = ["node", "parent", "token", "q (draft)", "p (target)"] + ([] if greedy else ["min(1,p/q)"]) + ["status"]
     head = "<tr>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>"
     rows = []
-    grafted = step.extras.get("graft", {}).get("first_node", len(step.tokens))  # prompt lookup's nodes from here
+    source = {node: _GRAFT_SOURCES[key] for key, first, last in graft_spans(step) for node in range(first, last + 1)}
     for i, (token, parent, status) in enumerate(zip(step.tokens, step.parents, node_status(step))):
         q = step.q[i] if step.q is not None else None
         ratio = "" if greedy else f"<td>{_fmt(accept_probability(step.p[i], q, point_mass))}</td>"
         rows.append(
             f'<tr class="node-{status}"><td>{i}</td><td>{"root" if parent < 0 else parent}</td>'
             f"<td><code>{html.escape(repr(token_text(texts, token)))}</code></td>"
-            f"<td>{'prompt lookup' if i >= grafted else _fmt(q)}</td>"
+            f"<td>{source.get(i) or _fmt(q)}</td>"
             f"<td>{_fmt(step.p[i])}</td>{ratio}"
             f'<td style="color:{STATUS_COLOURS[status]};font-weight:600">{status}</td></tr>'
         )

@@ -194,8 +194,9 @@ def adaflash_note(run: RunRecord | None) -> str:
                  if known else " No hindsight on the cut tokens was recorded (it exists for greedy runs only).")
     rules = ", ".join(sorted({f"`{c.rule}`" for c in cuts}))
     grafted = _sum(cuts, "grafted")
-    beside = (f" Beside them the target verified {grafted} nodes of prompt lookup's continuation, grafted onto "
-              f"the drafter's trees ({_sum(cuts, 'grafted_accepted')} accepted; not the cut's, and not in the plot)."
+    beside = (f" Beside them the target verified {grafted} nodes of continuations grafted onto the drafter's trees "
+              f"(prompt lookup's, the datastore's; {_sum(cuts, 'grafted_accepted')} accepted; not the cut's, and not "
+              "in the plot)."
               if grafted else "")
     return (f"Cut rule {rules} (what it does is under the plot title). "
             f"Over {len(cuts)} drafted steps: {_sum(cuts, 'verified') + _sum(cuts, 'cut')} tokens drafted, "

@@ -269,4 +269,4 @@ def test_grafted_lookup_nodes_are_counted_apart_from_the_cut():
     assert "a tree of" not in html_out  # the drafter's own nodes are a chain; the graft adds the branch
     assert html_out.index("cut-mark") < html_out.index("graft-mark") and html_out.count("draft-accepted") == 3
     note = views_adaflash.adaflash_note(run_of("adaflash", [step]))
-    assert "4 tokens drafted, 2 verified (0 accepted)" in note and "verified 3 nodes of prompt lookup's" in note
+    assert "4 tokens drafted, 2 verified (0 accepted)" in note and "verified 3 nodes of continuations grafted" in note

@@ -212,3 +212,12 @@ def test_grafted_lookup_nodes_are_named_in_the_summary_and_the_table():
     one = step(parents=[-1, 0, 0, 1],
                extras={"graft": {"tokens": [2, 3, 11], "ngram": 1, "shared": 2, "first_node": 3}})
     assert "node 3 is prompt lookup's continuation" in views.stop_summary(one, TEXTS, 0.0)
+    both = step(parents=[-1, 0, 0, 0], q=[0.9, 0.8, None, None],
+                extras={"graft": {"tokens": [2, 4], "ngram": 2, "shared": 1, "first_node": 2},
+                        "datastore": {"tokens": [2, 11], "ngram": 6, "shared": 1, "first_node": 3}})
+    summary = views.stop_summary(both, TEXTS, 0.0)
+    assert "node 2 is prompt lookup's continuation (the last 2 token(s) occurred earlier)" in summary
+    assert ("node 3 is the datastore's continuation (the last 6 token(s) occurred in the target's earlier answers)"
+            in summary)
+    cells = re.findall(r"<td>([^<]*)</td>", views.step_table_html(both, TEXTS, 0.0))
+    assert cells.count("prompt lookup") == 1 and cells.count("the datastore") == 1

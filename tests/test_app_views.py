@@ -122,7 +122,11 @@ def test_a_prompt_lookup_step_says_so_in_every_view():
     grafted = chain_step(extras={"gate": {**lookup, "state": "on"}, "graft": {"tokens": [5], "ngram": 1, "shared": 0,
                                                                               "first_node": 4}})
     assert views.gate_summary([step, grafted, chain_step(extras={"gate": {**lookup, "state": "on"}})]) == (
-        "on 2 (prompt lookup grafted onto the drafter's tree in 1), off 0, probe 0, shadow 0, prompt lookup 1 steps")
+        "on 2 (grafted onto the drafter's tree: prompt lookup in 1), off 0, probe 0, shadow 0, prompt lookup 1 steps")
+    both = chain_step(extras={"gate": {**lookup, "state": "on"}, "graft": grafted.extras["graft"],
+                              "datastore": {"tokens": [9], "ngram": 5, "shared": 0, "first_node": 5}})
+    assert views.gate_summary([grafted, both]).startswith(
+        "on 2 (grafted onto the drafter's tree: prompt lookup in 2, the datastore in 1)")
     note = "prompt lookup drafted this step instead of the drafter: the last 3 token(s) occurred earlier"
     assert views.lookup_note(step).startswith(note) and views.lookup_note(chain_step()) is None
     assert note in views_lattice.no_lattice_reason(step)

@@ -11,7 +11,8 @@ from specflash.drafters.adaflash import AdaFlashConfig, AdaFlashDrafter
 from specflash.drafters.base import Draft
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, verify_rows
 from specflash.drafters.gate import DraftGate
-from specflash.drafters.lookup_graft import best_graft, graft, grafted_value, own_share, survival
+from specflash.drafters.lookup_graft import (best_graft, branch_point, graft, graft_survival, grafted_value, own_share,
+                                             survival)
 from specflash.drafters.lookup_source import Continuation
 from specflash.errors import MethodConfigError
 from specflash.trace import ROOT
@@ -58,17 +59,31 @@ def test_graft_width_weighs_each_row_against_what_it_adds():
     assert survival([0.5, 0.5, 0.5], 2) == [0.5, 0.25]
     assert best_graft(tree, look, shared=0, nodes=2, cost=FLAT)[0] == 3  # free rows: all of it
     assert best_graft(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 5, 5, 5])[0] == 0  # a row costs 4 more steps
-    # one more row costs 0.1: the first token adds 0.9 * (1 - 0.5) = 0.45 over 1.75, worth it; the
-    # second 0.81 * 0.75 = 0.61 for another 0.1, worth it; the third 0.73 for 3.0x: (2.81 + 0.73) / 4.3 < 2.81 / 1.3
+    # the tree alone: 1.75 tokens for 1.0. One more row costs 0.1 and adds 0.9: 2.65 / 1.1, worth it;
+    # the second adds 0.81 for another 0.1: 3.46 / 1.2, worth it; the third 0.73 at 4.3: 4.19 / 4.3, not
     assert best_graft(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 1.1, 1.2, 4.3])[0] == 2
     assert best_graft(tree, look, shared=1, nodes=2, cost=[1, 1, 1, 1.1])[0] == 2  # its first token is in the tree
     assert best_graft(tree, look, shared=3, nodes=2, cost=FLAT)[0] == 0  # nothing new
     assert best_graft(tree, look, shared=0, nodes=2, cost=[1, 1, 1, 1])[0] == 1  # the curve ends at 4 rows
-    # the value of drafting 3 nodes (a chain at 0.5: 1 + 0.5 + 0.25 + 0.125) with all 3 lookup tokens
-    # grafted on free rows: + 0.9 * 0.5 + 0.81 * 0.75 + 0.729 * 0.875
-    found = Continuation([7, 8, 9], ngram=2, rates=[0.9] * 3)
-    assert grafted_value([0.5] * 7, 3, found, FLAT) == pytest.approx(1.875 + 0.45 + 0.6075 + 0.637875)
+    # drafting 3 nodes (a chain at 0.5: 1 + 0.5 + 0.25 + 0.125) with all 3 lookup tokens grafted on
+    # free rows, branching off at the first (the drafter has its own token there): + 0.2, 0.2 * 0.9, 0.2 * 0.81
+    found = Continuation([7, 8, 9], ngram=2, rates=[0.9] * 3, branch=0.2)
+    assert grafted_value([0.5] * 7, 3, found, FLAT) == pytest.approx(1.875 + 0.2 + 0.18 + 0.162)
     assert grafted_value([0.5] * 7, 3, found, [1, 1, 1, 1, 9, 9, 9], draft_cost=0.5) == pytest.approx(1.875 / 1.5)
+
+
+def test_where_a_continuation_leaves_the_tree_and_what_it_is_then_worth():
+    """TREE holds 5 -> 6 -> 7 and 5 -> 8. A continuation that leaves a node with other children is
+    a branch, scored by the branch estimate at that position; one that goes on from a leaf, or that
+    the tree holds whole, is not."""
+    assert branch_point(TREE, [5, 9, 1]) == (1, 1)  # 5 held; 6 and 8 are the tree's tokens where it says 9
+    assert branch_point(TREE, [4, 5]) == (0, 0)  # the root's children are 5 only
+    assert branch_point(TREE, [5, 8, 9]) == (2, None)  # 8 is a leaf: 9 competes with nothing of the tree
+    assert branch_point(TREE, [5, 6, 7]) == (3, None)
+    assert branch_point(DraftTree((), ()), [1, 2]) == (0, None)
+    found = Continuation([5, 9, 1], ngram=3, rates=[0.9, 0.8, 0.7], branch=0.2)
+    assert graft_survival(found, 1, 1) == pytest.approx([0.9, 0.18, 0.126])
+    assert graft_survival(found, 2, None) == pytest.approx([0.9, 0.72, 0.504])
 
 
 def test_graft_appends_after_the_drafters_nodes_and_says_so():

@@ -73,6 +73,30 @@ def test_every_continuation_is_scored_against_what_the_target_commits():
     assert source.accept[3] == pytest.approx([0.9375, 0.84375, 0.921875]) and source.pending == []
 
 
+def test_a_branch_is_scored_once_where_its_prefix_was_right():
+    """Where the continuation left the drafted tree, its token there is scored into the branch
+    estimate of its match length, once the target got that far, and only if the tokens before it
+    were right; the estimate is the rule of succession, (hits + 1) / (tries + 2)."""
+    source = LookupSource(depth=3)
+    context = [5, 6, 7, 8, 9, 1, 5, 6, 7]  # continuation 8 9 1 after a 3-gram match
+    assert source.find(context, room=3).branch == 0.5
+    source.branched(1)  # the tree held 8, and other tokens where this says 9
+    source.committed(context + [8])
+    assert source.branch[3] == [0, 0]  # not that far yet
+    source.committed(context + [8, 4])
+    assert source.branch[3] == [0, 1]
+    source.find(context + [8, 4], room=3)  # a new continuation, not a branch of any tree
+    source.committed(context + [8, 4, 0, 0, 0])
+    assert source.branch[3] == [0, 1]
+    tail = [7, 8, 9, 2, 7, 8]  # after 7 8: 9 2 7, a 2-gram match
+    assert source.find(tail, room=3).tokens == [9, 2, 7]
+    source.branched(1)
+    source.committed(tail + [3, 2, 7])  # the first token missed: the branch at 1 was never reachable
+    assert source.branch[2] == [0, 0]
+    found = source.find(context + [8, 4, 0, 0, 0] + context, room=3)
+    assert found.ngram == 3 and found.branch == pytest.approx(1 / 3)
+
+
 def test_lookup_runs_only_beside_the_gate(tiny_targets):
     """Without the gate nothing chooses between sources: the drafter drafts every step, and the
     run's config says lookup was off."""

@@ -13,22 +13,27 @@ top-token blocks are far more coherent than tokens sampled independently per pos
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, MethodConfigError
+from ..errors import CheckpointError, DrafterMismatchError, MethodConfigError
 from ..models import row_kernels
 from ..models.dflash import DFlashCache, DFlashDrafter
 from ..models.dflash_io import DRAFTER_DTYPE_CHOICES
 from ..tree import DraftTree, Successor, best_first_tree
 from .base import Draft, Drafter
+from .datastore import Datastore
 from .gate import DraftGate, GateDecision
-from .lookup_graft import graft, grafted_value, own_share
+from .lookup_graft import branch_point, graft, grafted_value, own_share
 from .lookup_source import Continuation, LookupSource
+
+
+_STORE_MIN_NGRAM = 2  # a single common token's continuations in the datastore are close to random
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,10 @@ class DFlashFamilyConfig:
     layers, whose state keeps one path, chains all the same (the run's config records what was
     drafted); `tree_width` is how many top tokens per position a tree may branch into.
     `graft_lookup`: where a tree is drafted and prompt lookup is on, its continuation joins the
-    tree as a branch, as far as it pays (lookup_graft.py)."""
+    tree as a branch, as far as it pays (lookup_graft.py). `datastore`: where a tree is drafted
+    with the gate on, the continuation of the context's tail in the target's own earlier answers
+    joins it the same way (datastore.py); `datastore_folder` is the folder of harvests it is built
+    from (None: the preset's, where the target is a preset that has one)."""
 
     max_draft: int | None = None
     gate: bool = True
@@ -64,6 +72,8 @@ class DFlashFamilyConfig:
     tree: bool = True
     tree_width: int = 4
     graft_lookup: bool = True
+    datastore: bool = True
+    datastore_folder: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
@@ -85,6 +95,10 @@ class DFlashFamilyConfig:
             raise MethodConfigError(f"draft_dtype must be one of {', '.join(DRAFTER_DTYPE_CHOICES)}, "
                                     f"got {self.draft_dtype!r}")
         check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
+        if not isinstance(self.datastore, bool):
+            raise MethodConfigError(f"datastore must be true or false, got {self.datastore!r}")
+        if self.datastore_folder is not None and not isinstance(self.datastore_folder, str):
+            raise MethodConfigError(f"datastore_folder must be a folder path, got {self.datastore_folder!r}")
 
 
 @dataclass(frozen=True)
@@ -107,9 +121,29 @@ class DFlashEngineDrafter(Drafter):
             raise MethodConfigError("the draft gate needs the device's verify-cost curve; pass cost= or gate=False")
         self.cost = cost
         self.trees = cfg.tree
+        self.store: Datastore | None = None  # bind's
 
     def bind(self, target) -> None:
         self.trees = self.cfg.tree and not target.family.recurrent
+        self.store = self.datastore_for(target)
+
+    def datastore_for(self, target) -> Datastore | None:
+        """The datastore whose continuations join this run's trees: where trees are drafted with
+        the gate on (the graft is valued from its estimates) and `datastore` is on, built from
+        `datastore_folder` or the preset's harvests; None where there is none."""
+        if not (self.cfg.datastore and self.cfg.gate and self.trees):
+            return None
+        from ..models.presets import preset_datastore  # presets import the methods, this module among them
+
+        folder = self.cfg.datastore_folder or preset_datastore(str(target.name))
+        if folder is None:
+            return None
+        store = Datastore.from_harvests(folder)
+        if store.largest_id >= target.vocab_size:
+            raise DrafterMismatchError(
+                f"the datastore in {folder} holds token id {store.largest_id}, beyond the target's vocabulary of "
+                f"{target.vocab_size}: it was harvested from another model; harvest this target's answers")
+        return store
 
     def begin(self, prompt_ids: list[int], sampling, generator) -> None:
         super().begin(prompt_ids, sampling, generator)
@@ -119,6 +153,10 @@ class DFlashEngineDrafter(Drafter):
                      if self.cfg.gate else None)
         self.lookups = (LookupSource(self.draft_len, max_ngram=self.cfg.lookup_max_ngram)
                         if self.cfg.lookup and self.cfg.gate else None)
+        store = self.store
+        self.stored = None if store is None else LookupSource(self.draft_len, store.depth, _STORE_MIN_NGRAM,
+                                                               match=partial(store.match, max_ngram=store.depth,
+                                                                             min_ngram=_STORE_MIN_NGRAM))
 
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)
@@ -167,8 +205,20 @@ class DFlashEngineDrafter(Drafter):
         else:
             draft = self.draft_block(context, k) if k > 0 else Draft.empty()
         if found is not None and self.trees and self.cfg.graft_lookup:
+            self.lookups.branched(branch_point(draft.tree, found.tokens)[1])
             draft = graft(draft, found, self.gate.rates(), self.gate.cost, self.gate.drafting_cost(k))
+        stored = self.stored_continuation(context, max_len)
+        if stored is not None:
+            self.stored.branched(branch_point(draft.tree, stored.tokens)[1])
+            draft = graft(draft, stored, self.gate.rates(), self.gate.cost, self.gate.drafting_cost(k), "datastore")
         return self.gated(draft, decision, started)
+
+    def stored_continuation(self, context: list[int], max_len: int) -> Continuation | None:
+        """The datastore's continuation this step (scored against what is committed, whether
+        grafted or not), except on the plain steps the gate keeps to time itself."""
+        if self.stored is None or self.gate.wants_plain_step:
+            return None
+        return self.stored.find(context, min(self.draft_len, max_len))
 
     def continuation(self, context: list[int], max_len: int) -> Continuation | None:
         """Prompt lookup's continuation this step, where lookup is on and the gate does not keep

