@@ -106,7 +106,7 @@ def test_datastore_grafts_keep_the_output_greedy(tiny_targets, arch, tmp_path):
             super().begin(prompt_ids, sampling, generator)
             self.gate.accept = [0.9] * self.draft_len
 
-    cfg = DFlashConfig(lookup=False, datastore_folder=str(tmp_path))
+    cfg = DFlashConfig(lookup=False, datastore_folder=str(tmp_path), datastore_min_ngram=2)
     run = generate(target, prompt_ids, drafter=Confident(model, cfg, FLAT), max_new_tokens=40)
     assert run.output_ids == hf_greedy(target, prompt_ids, 40)
     grafted = [s for s in run.steps if "datastore" in s.extras]
@@ -127,3 +127,5 @@ def test_a_datastore_of_another_vocabulary_is_refused(tiny_targets, tmp_path):
         generate(target, [1, 2, 3], drafter=drafter, max_new_tokens=4)
     with pytest.raises(MethodConfigError, match="datastore must be"):
         DFlashConfig(datastore="yes")
+    with pytest.raises(MethodConfigError, match="datastore_min_ngram must be"):
+        DFlashConfig(datastore_min_ngram=0)

@@ -4,10 +4,11 @@ Why: a small target answers similar requests in similar words ("Once upon a time
 village, there lived", "Here is a Python function that"), so the continuation that followed the
 context's tail in its earlier answers to other requests is often what it says next, where the
 drafter, reading this context only, is unsure. On the dev prompts, at the steps a chain-drafting
-`dflash` drafted, the datastore's continuation matched 0.66-0.75 tokens per step (math, code,
-writing) beside the drafter's 0.76-0.86, and the better of the two 1.13-1.15: the two fail on
-different steps, so a tree that holds both gets most of the sum (retrieval drafting as in REST, He
-et al. 2023, here as one more branch of the drafter's tree: lookup_graft.py).
+`dflash` drafted, the datastore's continuation matched 0.66-0.78 tokens per step (math, code,
+writing) beside the drafter's 0.76-0.86, and the better of the two 1.15-1.19
+(scripts/datastore_oracle.py): the two fail on different steps, so a tree that holds both gets
+most of the sum (retrieval drafting as in REST, He et al. 2023, here as one more branch of the
+drafter's tree: lookup_graft.py).
 
 The store is built from the harvested answers (`training/harvest.py`: the target's greedy
 answers to the train split and to requests made from local text, never the held-out or dev

@@ -33,9 +33,6 @@ from .lookup_graft import branch_point, graft, grafted_value, own_share
 from .lookup_source import Continuation, LookupSource
 
 
-_STORE_MIN_NGRAM = 2  # a single common token's continuations in the datastore are close to random
-
-
 @dataclass(frozen=True)
 class DFlashFamilyConfig:
     """The knobs every DFlash-family method shares. The checkpoint fixes the block size L;
@@ -60,7 +57,8 @@ class DFlashFamilyConfig:
     tree as a branch, as far as it pays (lookup_graft.py). `datastore`: where a tree is drafted
     with the gate on, the continuation of the context's tail in the target's own earlier answers
     joins it the same way (datastore.py); `datastore_folder` is the folder of harvests it is built
-    from (None: the preset's, where the target is a preset that has one)."""
+    from (None: the preset's, where the target is a preset that has one), `datastore_min_ngram`
+    the shortest tail it matches (a single common token's continuations are close to random)."""
 
     max_draft: int | None = None
     gate: bool = True
@@ -74,6 +72,7 @@ class DFlashFamilyConfig:
     graft_lookup: bool = True
     datastore: bool = True
     datastore_folder: str | None = None
+    datastore_min_ngram: int = 3
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and (
@@ -97,6 +96,9 @@ class DFlashFamilyConfig:
         check_tree_knobs(self.tree, self.tree_width, self.graft_lookup)
         if not isinstance(self.datastore, bool):
             raise MethodConfigError(f"datastore must be true or false, got {self.datastore!r}")
+        if isinstance(self.datastore_min_ngram, bool) or not isinstance(self.datastore_min_ngram, int) \
+                or self.datastore_min_ngram < 1:
+            raise MethodConfigError(f"datastore_min_ngram must be an integer >= 1, got {self.datastore_min_ngram!r}")
         if self.datastore_folder is not None and not isinstance(self.datastore_folder, str):
             raise MethodConfigError(f"datastore_folder must be a folder path, got {self.datastore_folder!r}")
 
@@ -153,10 +155,11 @@ class DFlashEngineDrafter(Drafter):
                      if self.cfg.gate else None)
         self.lookups = (LookupSource(self.draft_len, max_ngram=self.cfg.lookup_max_ngram)
                         if self.cfg.lookup and self.cfg.gate else None)
-        store = self.store
-        self.stored = None if store is None else LookupSource(self.draft_len, store.depth, _STORE_MIN_NGRAM,
-                                                               match=partial(store.match, max_ngram=store.depth,
-                                                                             min_ngram=_STORE_MIN_NGRAM))
+        self.stored = None
+        if self.store is not None:
+            depth, least = self.store.depth, min(self.cfg.datastore_min_ngram, self.store.depth)
+            self.stored = LookupSource(self.draft_len, depth, least,
+                                       match=partial(self.store.match, max_ngram=depth, min_ngram=least))
 
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)

@@ -1,4 +1,5 @@
-"""Prompt lookup's continuation as a branch of the drafter's tree, verified in the same forward.
+"""Prompt lookup's continuation (or the datastore's) as a branch of the drafter's tree, one forward
+verifying both.
 
 Why: beside a learned drafter, prompt lookup is drafted instead of it on the steps where the gate
 values it more (lookup_source.py). Choosing one source per step gets the one that is better on
@@ -10,11 +11,17 @@ tree drafter's steps left lookup fewer steps of its own, rewrites lost acceptanc
 
 How many of the continuation's tokens join the tree: its first `shared` tokens may already be a
 path of the tree (they cost nothing); each one after that adds a row. A position j past them adds
-the chance that the continuation survives to j where the tree did not, S_l(j) (1 - S_t(j)), the
-two taken as independent, S the survival products of each source's running acceptance estimates
-(the tree's from the draft gate, by depth; S_t(j) = 0 below the tree's depth). The width kept
-maximises expected committed tokens per unit cost, as the gate's widths do. Drafts stay point
-masses, so verification, and with it losslessness, is unchanged.
+the chance that the continuation is right through j: the tree holds none of its path beyond
+`shared`, so where it is right, the tree's own nodes past there are not, and the step gains
+exactly those tokens. That chance is the product of the source's running estimates per position
+(lookup_source.py), except at the position where the continuation leaves a node of the tree that
+has other children: there the two sources disagree, and the source is right less often than
+overall (where both are likely right they agree, and the continuation is a path of the tree), so
+that position takes the source's branch estimate, counted on such branches only (`branch_point`,
+`graft_survival`). The width kept maximises expected committed tokens per unit cost, as the
+gate's widths do. The same graft takes a second source, the datastore of the target's own
+answers (datastore.py), after prompt lookup's. Drafts stay point masses, so verification, and
+with it losslessness, is unchanged.
 
 The gate's estimates are the drafter's own: after verification it is told the depth of the
 drafter's nodes and how many of the accepted path's nodes were the drafter's (`own_share`).
