@@ -59,7 +59,8 @@ def _lookup_shares(samples: Iterable[dict[str, Any]]) -> dict[tuple[str, str], f
 def bench_for(preset: str, device: str, docs: Path = DOCS) -> tuple[Path, dict[str, Any]] | None:
     """The committed benchmark of this preset on this kind of device, if the repository has one:
     of several (docs/ also keeps narrower A/B runs and runs of drafters shipped before), one that
-    measured the weights shipped now (`measures_shipped_weights`), then the one that compares the
+    measured the weights shipped now (`measures_shipped_weights`), then the one over the most
+    prompts (the figures least swayed by a few easy or hard ones), then the one that compares the
     most methods, then the newest (by date, then by the time its run started)."""
     found = []
     for path in sorted(docs.glob("bench-*.json")):
@@ -70,8 +71,8 @@ def bench_for(preset: str, device: str, docs: Path = DOCS) -> tuple[Path, dict[s
         samples = data.get("samples") or [{}]
         per_prompt = all("prompt_id" in s and "wall" in s for s in samples)  # not a batched benchmark
         if data.get("model") == preset and str(data.get("device", "")).startswith(device) and per_prompt:
-            rank = (measures_shipped_weights(data), len({s["method"] for s in samples}), data.get("date", ""),
-                    data.get("started", ""))
+            rank = (measures_shipped_weights(data), len({s["prompt_id"] for s in samples}),
+                    len({s["method"] for s in samples}), data.get("date", ""), data.get("started", ""))
             found.append((rank, path, data))
     if not found:
         return None

@@ -25,7 +25,7 @@ import torch
 
 from .cli_args import add_model_args, parse_options, torch_dtype
 from .config import SamplingConfig
-from .models.presets import default_drafter, portable_path, weights_fingerprint
+from .models.presets import default_drafter, portable_path, preset_datastore, weights_fingerprint
 
 HF_ROWS = ("hf-assisted", "hf-pld")
 PROMPT_SETS = ("heldout", "dev", "tuning")
@@ -97,15 +97,21 @@ def _engine_runner(target, method: str, drafter: str | None, options: dict, cach
     return run
 
 
+DATASTORE_METHODS = ("dflash", "dflash2", "adaflash", "dels")  # the DFlash family, whose trees take its grafts
+
+
 def measured_weights(model: str, method: str, drafter: str | None, options: dict,
                      cache_dir: Path | None) -> dict[str, dict[str, str]]:
-    """Which weights a method ran with: its drafter and, for `dels`, its local head, each as a
-    portable path and a digest (`weights_fingerprint`), recorded in the benchmark's JSON."""
+    """Which weights a method ran with: its drafter, for `dels` its local head, and for a
+    DFlash-family method grafting the datastore's continuations the harvests it is built from,
+    each as a portable path and a digest (`weights_fingerprint`), recorded in the benchmark's JSON."""
     parts = {"drafter": drafter}
     if method == "dels":
         from .drafters.dels import preset_head
 
         parts["local_head"] = options.get("local_head") or preset_head(model, cache_dir)
+    if method in DATASTORE_METHODS and all(options.get(knob, True) for knob in ("datastore", "gate", "tree")):
+        parts["datastore"] = options.get("datastore_folder") or preset_datastore(model)
     digests = {role: weights_fingerprint(path) for role, path in parts.items() if path}
     return {role: {"path": portable_path(parts[role]), "weights": digest} for role, digest in digests.items() if digest}
 

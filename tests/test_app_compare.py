@@ -172,3 +172,8 @@ def test_figures_of_the_shipped_weights_come_before_wider_older_ones(tmp_path):
     assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-b-cpu.json"
     (tmp_path / "bench-a-cpu.json").write_text(json.dumps({**newer, "started": "2026-12-05T10:00:00Z"}))
     assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-a-cpu.json"
+    # a run over more prompts comes before one over more methods
+    more = heldout_prompts("code")[1]
+    broad = [{"method": m, "prompt_id": p.id, "wall": 1.0} for m in ("ar", "dflash") for p in (code, more)]
+    (tmp_path / "bench-b-cpu.json").write_text(json.dumps({**older, "samples": broad}))
+    assert bench_for("preset-x", "cpu", tmp_path)[0].name == "bench-b-cpu.json"

@@ -107,7 +107,7 @@ def test_the_json_names_the_weights_each_method_ran(tmp_path):
     import hashlib
 
     from specflash.bench import measured_weights
-    from specflash.models.presets import REPO_ROOT
+    from specflash.models.presets import REPO_ROOT, weights_fingerprint
 
     drafter = REPO_ROOT / "assets" / "drafters" / "smollm2-135m-dflash"
     head = REPO_ROOT / "assets" / "heads" / "smollm2-135m-local-head"
@@ -119,9 +119,19 @@ def test_the_json_names_the_weights_each_method_ran(tmp_path):
             h.update(f.read_bytes())
         return h.hexdigest()[:16]
 
-    recorded = measured_weights("smollm2-135m", "dels", str(drafter), {}, None)
+    recorded = measured_weights("smollm2-135m", "dels", str(drafter), {"datastore": False}, None)
     assert recorded == {"drafter": {"path": "assets/drafters/smollm2-135m-dflash", "weights": digest(drafter)},
                         "local_head": {"path": "assets/heads/smollm2-135m-local-head", "weights": digest(head)}}
-    assert list(measured_weights("smollm2-135m", "dflash", str(drafter), {}, None)) == ["drafter"]
+    with_store = measured_weights("smollm2-135m", "dflash", str(drafter), {}, None)
+    assert list(with_store) == ["drafter", "datastore"]
+    assert with_store["datastore"]["path"] == "data/harvests/smollm2-135m-instruct"
+    assert list(measured_weights("smollm2-135m", "dflash", str(drafter), {"tree": False}, None)) == ["drafter"]
     assert measured_weights("some/path", "pld", None, {}, None) == {}
-    assert measured_weights("smollm2-135m", "dflash", str(tmp_path), {}, None) == {}  # no weights there
+    assert measured_weights("smollm2-135m", "dflash", str(tmp_path), {"datastore": False}, None) == {}  # none there
+    # a folder's digest covers its subfolders' files, each named by its path inside it
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.safetensors").write_bytes(b"1")
+    first = weights_fingerprint(tmp_path)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.safetensors").write_bytes(b"1")
+    assert first is not None and weights_fingerprint(tmp_path) != first

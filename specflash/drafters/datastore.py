@@ -48,7 +48,7 @@ class Datastore:
         n = len(corpus)
         before = [self.padded[depth - j : depth - j + n] for j in range(depth, 0, -1)]  # last key sorts first
         order = np.lexsort(before)
-        self.order = order[corpus[order] != _SEP].astype(np.int64)  # a position indexed has a token to propose
+        self.order = order[corpus[order] != _SEP].astype(np.int32)  # a position indexed has a token to propose
         # each indexed position's first and second preceding tokens, in index order: the two
         # widest ranges are searched without gathering (a common token's range is most of the store)
         self.columns = [self.padded[self.order + depth - j] for j in (1, 2)]

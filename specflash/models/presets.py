@@ -200,11 +200,11 @@ def weights_fingerprint(path: str | Path) -> str | None:
     when there is nothing there. Why: a benchmark records which weights it measured, so that the
     app cites figures of the drafter it ships, not of one replaced since."""
     path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.is_file() else []
+    files = sorted(path.rglob("*.safetensors")) if path.is_dir() else [path] if path.is_file() else []
     if not files:
         return None
     digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode())
+    for file in files:  # a folder's files by their paths inside it (a datastore's harvests are subfolders)
+        digest.update((file.name if file == path else file.relative_to(path).as_posix()).encode())
         digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
