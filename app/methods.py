@@ -29,6 +29,9 @@ LABELS = {
     "beta": "β",
     "lookup": "prompt lookup beside the drafter",
     "graft_lookup": "graft prompt lookup onto the tree",
+    "datastore": "graft the target's earlier answers (datastore) onto the tree",
+    "datastore_folder": "datastore: folder of harvests",
+    "datastore_min_ngram": "datastore: shortest match (tokens)",
 }
 
 
