@@ -116,6 +116,22 @@ def test_datastore_grafts_keep_the_output_greedy(tiny_targets, arch, tmp_path):
                                                                              datastore_folder=str(tmp_path)), FLAT),
                    max_new_tokens=40)
     assert off.output_ids == run.output_ids and not any("datastore" in s.extras for s in off.steps)
+    assert run.config["datastore"] is True and off.config["datastore"] is False  # what each run drafted with
+
+
+def test_a_presets_missing_harvests_are_skipped_but_a_named_folder_must_exist(tiny_targets, tmp_path, monkeypatch):
+    """A copy of the project without its harvests still drafts (without the datastore, as its
+    run's config says); a folder the user named that is not there is an error."""
+    import specflash.models.presets as presets
+
+    target = tiny_targets["llama"]
+    monkeypatch.setattr(presets, "preset_datastore", lambda name: str(tmp_path / "gone"))
+    model = vocab_drafter(target, [3, 4, 5], feature_layers=(1,))
+    run = generate(target, [1, 2, 3], drafter=DFlashEngineDrafter(model, DFlashConfig(), FLAT), max_new_tokens=4)
+    assert run.output_ids == hf_greedy(target, [1, 2, 3], 4) and run.config["datastore"] is False
+    named = DFlashEngineDrafter(model, DFlashConfig(datastore_folder=str(tmp_path / "gone")), FLAT)
+    with pytest.raises(CheckpointError, match="no harvest folders"):
+        generate(target, [1, 2, 3], drafter=named, max_new_tokens=4)
 
 
 def test_a_datastore_of_another_vocabulary_is_refused(tiny_targets, tmp_path):

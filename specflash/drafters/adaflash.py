@@ -38,9 +38,8 @@ temperature 0 it follows from the finished run alone (`annotate_cuts`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -220,10 +219,6 @@ class AdaFlashDrafter(DFlashEngineDrafter):
         if self.cfg.rule == "heuristic" and len(draft.tree) and "lookup" not in draft.extras:
             depth, accepted = own_share(draft.tree, draft.extras, path)
             self.window = self.window + 2 if accepted == depth else max(1, self.window - 1)
-
-    def config_dict(self) -> dict[str, Any]:
-        return {**super().config_dict(), **asdict(self.cfg), "tree": self.trees}  # what it drafted
-
 
 CONFIG = AdaFlashConfig
 

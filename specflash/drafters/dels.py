@@ -16,7 +16,7 @@ way, so the engine's verification keeps the method lossless at every temperature
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -258,10 +258,6 @@ class DeLSDrafter(DFlashEngineDrafter):
             tree, q = DraftTree.chain(fused["tokens"]), fused["q"]
         return Draft(tree, q=None, q_token=q, extras={"dflash": {"block_size": self.spec.block_size},
                                                       "dels": {**fused["trace"], "chain": fused["tokens"]}})
-
-    def config_dict(self) -> dict[str, Any]:
-        return {**super().config_dict(), **asdict(self.cfg), "tree": self.trees}  # what it drafted
-
 
 CONFIG = DeLSConfig
 

@@ -138,8 +138,8 @@ class DFlashEngineDrafter(Drafter):
         from ..models.presets import preset_datastore  # presets import the methods, this module among them
 
         folder = self.cfg.datastore_folder or preset_datastore(str(target.name))
-        if folder is None:
-            return None
+        if folder is None or (self.cfg.datastore_folder is None and not Path(folder).is_dir()):
+            return None  # a preset's harvests left out of a copy of the project: drafting goes on without them
         store = Datastore.from_harvests(folder)
         if store.largest_id >= target.vocab_size:
             raise DrafterMismatchError(
@@ -307,7 +307,7 @@ class DFlashEngineDrafter(Drafter):
         precision = "int8" if self.model.int8_head else str(self.model.compute_dtype).removeprefix("torch.")
         return {**asdict(self.cfg), "lookup": self.cfg.lookup and self.cfg.gate, "block_size": self.spec.block_size,
                 "target_layer_ids": list(self.feature_layers), "draft_layers": self.spec.num_layers,
-                "drafter_precision": precision, "tree": self.trees}
+                "drafter_precision": precision, "tree": self.trees, "datastore": self.store is not None}
 
 
 def argmax_chain(probs: torch.Tensor, ids: torch.Tensor | None) -> tuple[list[int], list[float]]:
