@@ -115,6 +115,7 @@ class DraftGate:
         self.shadow: tuple[int, Sequence[int], int] | None = None  # (context length, tokens, positions scored)
         self._last: tuple[float, float, int] | None = None  # (step start, draft seconds, verified count)
         self._pending = GateDecision("off", 0, 1.0, "")
+        self._cost: tuple[tuple, list[float]] | None = None  # (the timings it came from, the curve)
 
     # ---- decisions -------------------------------------------------------------------------
 
@@ -125,7 +126,14 @@ class DraftGate:
     @property
     def cost(self) -> list[float]:
         """c(1) = 1, c(2), ...: from this run's timings once a plain step and a wider one are timed,
-        else the cached curve; never decreasing, since timing noise can say otherwise."""
+        else the cached curve; never decreasing, since timing noise can say otherwise. Read several
+        times a step (the gate, prompt lookup, each graft), so kept until the timings change."""
+        timings = tuple(self.seconds.items())
+        if self._cost is None or self._cost[0] != timings:
+            self._cost = (timings, self._curve())
+        return self._cost[1]
+
+    def _curve(self) -> list[float]:
         base = self.seconds.get(1)
         wider = {n: t / base for n, t in self.seconds.items() if n > 1} if self.calibrate and base else {}
         if not wider:
