@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from specflash.drafters.lookup_graft import GRAFTS
+from specflash.drafters.lookup_graft import GRAFTS, graft_spans
 from specflash.trace import RunRecord, StepRecord
 from specflash.tree import DraftTree
 
@@ -273,7 +273,7 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float 
     n, a = len(step.tokens), step.accepted_len
     leaves = leaf_count(step.parents)
     drafted = f"{n} drafted" if leaves == 1 else f"{n} drafted on {leaves} branches of a tree (the parent column)"
-    for key, first, last in graft_spans(step):
+    for key, first, last in graft_spans(step.extras, len(step.tokens)):
         nodes = f"node {first} is" if first == last else f"nodes {first}-{last} are"
         where = "occurred earlier" if key == "graft" else "occurred in the target's earlier answers"
         drafted += (f"; {nodes} {_GRAFT_SOURCES[key]}'s continuation (the last {step.extras[key]['ngram']} token(s) "
@@ -284,14 +284,6 @@ def stop_summary(step: StepRecord, texts: Mapping[int, str], temperature: float 
 
 
 _GRAFT_SOURCES = {"graft": "prompt lookup", "datastore": "the datastore"}  # by their extras keys (GRAFTS)
-
-
-def graft_spans(step: StepRecord) -> list[tuple[str, int, int]]:
-    """Each grafted source's nodes in a step, in node order: (its extras key, first node, last
-    node). Grafts append after the tree they were grafted onto, so each runs to the next one's first."""
-    starts = sorted((step.extras[key]["first_node"], key) for key in GRAFTS if key in step.extras)
-    ends = [first for first, _ in starts[1:]] + [len(step.tokens)]
-    return [(key, first, end - 1) for (first, key), end in zip(starts, ends)]
 
 
 def gate_summary(steps: Sequence[StepRecord]) -> str | None:
@@ -361,7 +353,8 @@ def step_table_html(step: StepRecord, texts: Mapping[int, str], temperature: flo
     columns = ["node", "parent", "token", "q (draft)", "p (target)"] + ([] if greedy else ["min(1,p/q)"]) + ["status"]
     head = "<tr>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>"
     rows = []
-    source = {node: _GRAFT_SOURCES[key] for key, first, last in graft_spans(step) for node in range(first, last + 1)}
+    spans = graft_spans(step.extras, len(step.tokens))
+    source = {node: _GRAFT_SOURCES[key] for key, first, last in spans for node in range(first, last + 1)}
     for i, (token, parent, status) in enumerate(zip(step.tokens, step.parents, node_status(step))):
         q = step.q[i] if step.q is not None else None
         ratio = "" if greedy else f"<td>{_fmt(accept_probability(step.p[i], q, point_mass))}</td>"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specflash.api import generate, load
-from specflash.drafters.lookup_graft import GRAFTS
+from specflash.drafters.lookup_graft import graft_spans
 from specflash.prompts import load_prompts
 
 DOMAINS = ("math", "code", "writing", "rewrite")
@@ -43,12 +43,10 @@ def main() -> None:
         for prompt in load_prompts(domain, split=args.prompts)[: args.prompts_per_domain]:
             run = generate(target, prompt.text, "dflash", max_new_tokens=args.max_new_tokens, options=options)
             for step in run.steps:
-                starts = sorted((step.extras[key]["first_node"], key) for key in GRAFTS if key in step.extras)
-                ends = [first for first, _ in starts[1:]] + [len(step.tokens)]
-                for (first, key), end in zip(starts, ends):
+                for key, first, last in graft_spans(step.extras, len(step.tokens)):
                     row = counts[(key, step.extras[key]["ngram"])]
                     row[0] += 1
-                    row[1] += any(first <= node < end for node in step.accepted)
+                    row[1] += any(first <= node <= last for node in step.accepted)
     print(f"{'source':15}{'n':>3}{'grafts':>8}{'accepted':>10}{'share':>8}")
     for (key, n), (grafts, hits) in sorted(counts.items()):
         print(f"{NAMES[key]:15}{n:>3}{grafts:>8}{hits:>10}{hits / grafts:>8.2f}")

@@ -82,8 +82,8 @@ def test_where_a_continuation_leaves_the_tree_and_what_it_is_then_worth():
     assert branch_point(TREE, [5, 6, 7]) == (3, None)
     assert branch_point(DraftTree((), ()), [1, 2]) == (0, None)
     found = Continuation([5, 9, 1], ngram=3, rates=[0.9, 0.8, 0.7], branch=0.2)
-    assert graft_survival(found, 1, 1) == pytest.approx([0.9, 0.18, 0.126])
-    assert graft_survival(found, 2, None) == pytest.approx([0.9, 0.72, 0.504])
+    assert graft_survival(found, 1) == pytest.approx([0.9, 0.18, 0.126])
+    assert graft_survival(found, None) == pytest.approx([0.9, 0.72, 0.504])
 
 
 def test_graft_appends_after_the_drafters_nodes_and_says_so():

@@ -65,7 +65,10 @@ class Datastore:
         occurrences that agreed, ...); ([], 0) when none occurs."""
         lo, hi, found = 0, len(self.order), None
         for j in range(1, min(max_ngram, self.depth, len(context)) + 1):
-            column = self.columns[j - 1][lo:hi] if j <= len(self.columns) else self.padded[self.order[lo:hi] + self.depth - j]
+            if j <= len(self.columns):
+                column = self.columns[j - 1][lo:hi]
+            else:
+                column = self.padded[self.order[lo:hi] + self.depth - j]
             key = np.int32(context[-j])  # the column's own type: another would cast the whole column
             a, b = np.searchsorted(column, key, "left"), np.searchsorted(column, key, "right")
             if a == b:
@@ -76,7 +79,8 @@ class Datastore:
         if found is None or k <= 0:
             return [], 0
         ngram, lo, hi = found
-        picks = self.order[lo:hi] if hi - lo <= _VOTERS else self.order[np.linspace(lo, hi - 1, _VOTERS).astype(np.int64)]
+        spread = np.linspace(lo, hi - 1, _VOTERS).astype(np.int64)  # evenly over the range, where it is long
+        picks = self.order[lo:hi] if hi - lo <= _VOTERS else self.order[spread]
         at = np.minimum(self.depth + picks[:, None] + np.arange(k)[None], len(self.padded) - 1)  # the last is a separator
         return vote(self.padded[at], k), ngram
 

@@ -199,7 +199,7 @@ class DFlashEngineDrafter(Drafter):
         onto a drafted tree as far as it pays."""
         started = time.perf_counter()
         k, decision = self.step_width(context, max_len)
-        found = self.continuation(context, max_len)
+        found = self.continuation(self.lookups, context, max_len)
         lookup = self.lookup_draft(found, max_len, k, decision) if found is not None else None
         if lookup is not None:
             return self.gated(*lookup, started)
@@ -208,27 +208,25 @@ class DFlashEngineDrafter(Drafter):
         else:
             draft = self.draft_block(context, k) if k > 0 else Draft.empty()
         if found is not None and self.trees and self.cfg.graft_lookup:
-            self.lookups.branched(branch_point(draft.tree, found.tokens)[1])
-            draft = graft(draft, found, self.gate.rates(), self.gate.cost, self.gate.drafting_cost(k))
-        stored = self.stored_continuation(context, max_len)
+            draft = self.grafted(draft, found, self.lookups, k, "graft")
+        stored = self.continuation(self.stored, context, max_len)
         if stored is not None:
-            self.stored.branched(branch_point(draft.tree, stored.tokens)[1])
-            draft = graft(draft, stored, self.gate.rates(), self.gate.cost, self.gate.drafting_cost(k), "datastore")
+            draft = self.grafted(draft, stored, self.stored, k, "datastore")
         return self.gated(draft, decision, started)
 
-    def stored_continuation(self, context: list[int], max_len: int) -> Continuation | None:
-        """The datastore's continuation this step (scored against what is committed, whether
-        grafted or not), except on the plain steps the gate keeps to time itself."""
-        if self.stored is None or self.gate.wants_plain_step:
+    def continuation(self, source: LookupSource | None, context: list[int], max_len: int) -> Continuation | None:
+        """A second source's continuation this step (prompt lookup's, the datastore's), where the
+        source is on and the gate does not keep the step plain to time it; found every such step,
+        so the source scores it against what is committed, drafted or not."""
+        if source is None or self.gate.wants_plain_step:
             return None
-        return self.stored.find(context, min(self.draft_len, max_len))
+        return source.find(context, min(self.draft_len, max_len))
 
-    def continuation(self, context: list[int], max_len: int) -> Continuation | None:
-        """Prompt lookup's continuation this step, where lookup is on and the gate does not keep
-        the step plain to time it."""
-        if self.lookups is None or self.gate.wants_plain_step:
-            return None
-        return self.lookups.find(context, min(self.draft_len, max_len))
+    def grafted(self, draft: Draft, found: Continuation, source: LookupSource, k: int, key: str) -> Draft:
+        """`draft` with as much of `found` grafted on as pays (under extras `key`); the source
+        hears where the continuation left the tree, for its branch estimate."""
+        source.branched(branch_point(draft.tree, found.tokens)[1])
+        return graft(draft, found, self.gate.rates(), self.gate.cost, self.gate.drafting_cost(k), key)
 
     def lookup_draft(self, found: Continuation, max_len: int, k: int,
                      decision: GateDecision | None) -> tuple[Draft, GateDecision] | None:

@@ -56,7 +56,7 @@ def branch_point(tree: DraftTree, tokens: Sequence[int]) -> tuple[int, int | Non
     return len(held), len(held) if branches else None
 
 
-def graft_survival(found: Continuation, shared: int, branch: int | None) -> list[float]:
+def graft_survival(found: Continuation, branch: int | None) -> list[float]:
     """The chance the continuation's first j tokens are all accepted, j = 1..len: its running
     rates, except at the position where it branches off the tree, which takes `found.branch`."""
     out, alive = [], 1.0
@@ -93,7 +93,7 @@ def grafted_value(tree_rates: Sequence[float], nodes: int, found: Continuation, 
     the drafter's nodes as a chain at its running rates, the continuation branching off at its
     first token (for a step that chooses between drafting and prompt lookup alone,
     lookup_source.py)."""
-    return best_graft(survival(tree_rates, nodes), graft_survival(found, 0, 0 if nodes else None), 0, nodes, cost,
+    return best_graft(survival(tree_rates, nodes), graft_survival(found, 0 if nodes else None), 0, nodes, cost,
                       draft_cost)[1]
 
 
@@ -111,7 +111,7 @@ def graft(draft: Draft, found: Continuation, tree_rates: Sequence[float], cost: 
         return draft
     whole, shared = tree.with_chain(found.tokens)
     depth = max(tree.depths())
-    width, _ = best_graft(survival(tree_rates, depth), graft_survival(found, *branch_point(tree, found.tokens)),
+    width, _ = best_graft(survival(tree_rates, depth), graft_survival(found, branch_point(tree, found.tokens)[1]),
                           shared, len(tree), cost, draft_cost)
     if not width:
         return draft
@@ -122,6 +122,15 @@ def graft(draft: Draft, found: Continuation, tree_rates: Sequence[float], cost: 
     extras = {**draft.extras, source: {"tokens": found.tokens[:width], "ngram": found.ngram, "shared": shared,
                                        "first_node": len(tree)}}
     return Draft(grown, q=None, q_token=q_token, extras=extras, lookahead=draft.lookahead)
+
+
+def graft_spans(extras: Mapping[str, Any], nodes: int) -> list[tuple[str, int, int]]:
+    """Each grafted source's nodes in a draft of `nodes` nodes, in node order: (its extras key,
+    first node, last node). Grafts append after the tree they were grafted onto, so each runs to
+    the next one's first."""
+    starts = sorted((extras[key]["first_node"], key) for key in GRAFTS if key in extras)
+    ends = [first for first, _ in starts[1:]] + [nodes]
+    return [(key, first, end - 1) for (first, key), end in zip(starts, ends)]
 
 
 def own_nodes(tree_len: int, extras: Mapping[str, Any]) -> int:
