@@ -216,7 +216,8 @@ def _cut_sentence(cut: Cut) -> str:
     score = "" if cut.score is None else f" (length-head score r = {cut.score:.3f})"
     would = ("" if cut.would_accept is None
              else f" Of the cut tokens, greedy verification would have accepted {cut.would_accept}.")
-    beside = (f" Prompt lookup's continuation was verified beside them, {cut.grafted} grafted node"
+    beside = (f" Continuations grafted onto the tree (prompt lookup's, the datastore's) were verified beside them, "
+              f"{cut.grafted} grafted node"
               f"{'s' if cut.grafted != 1 else ''} ({cut.grafted_accepted} accepted), after the ⇢ below"
               " (the Step inspector shows where each hangs)."
               if cut.grafted else "")
