@@ -33,6 +33,27 @@ def random_head(target, seed=0, hidden=32, std=0.3):
     return head.eval()
 
 
+@pytest.mark.parametrize("table", [False, True])
+def test_one_token_steps_are_the_heads_forward(tiny_targets, table):
+    """Drafting steps the head one token at a time (models/local_head.py TokenStep: input products
+    from a table for a token set, the GRU cell written out); token by token it must give the
+    logits and state the module's forward gives over the whole sequence, tokens in the table or
+    not."""
+    target = tiny_targets["qwen3"]
+    head = random_head(target, seed=3)
+    ids = [5, 17, 3, 17, 40, 9]
+    tokens = torch.tensor([3, 9, 17, 60]) if table else None  # 5 and 40 are outside it
+    step = head.token_step(tokens)
+    assert (step.table is not None) == table and head.token_step(tokens) is step
+    with torch.no_grad():
+        expected, _ = head(torch.tensor([ids]))
+        state, got = None, []
+        for token in ids:
+            logits, state = step(token, state)
+            got.append(logits)
+    torch.testing.assert_close(torch.stack(got), expected[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
 @pytest.mark.parametrize("tree", [False, True])
 def test_dels_greedy_equals_transformers(tiny_targets, arch, tree):
@@ -69,8 +90,8 @@ def test_a_tree_scores_each_branch_with_the_head_after_its_own_path(tiny_targets
     def grow(tokens: tuple[int, ...], state, p: float) -> None:
         if len(tokens) == len(long):
             return
-        record, after = fusion.step(fusion.slot(long[len(tokens)], prior), tokens[-1] if tokens else 7, state)
-        for q, token in zip(*record["top"]):
+        position, after = fusion.step(fusion.slot(long[len(tokens)], prior), tokens[-1] if tokens else 7, state)
+        for q, token in zip(*position.top):
             paths[tokens + (token,)] = p * q
             grow(tokens + (token,), after, p * q)
 
@@ -80,7 +101,7 @@ def test_a_tree_scores_each_branch_with_the_head_after_its_own_path(tiny_targets
     best = sorted(paths, key=paths.get, reverse=True)[:5]
     got = [tuple(tree.tokens[n] for n in tree.path_to(node)) for node in range(len(tree))]
     assert sorted(got) == sorted(best)
-    assert [r["token"] for r in chain][:1] == [max((t for t in paths if len(t) == 1), key=paths.get)[0]]
+    assert [position.token for position in chain][:1] == [max((t for t in paths if len(t) == 1), key=paths.get)[0]]
 
 
 def test_fusion_over_a_draft_vocabulary_equals_the_full_one(tiny_targets):

@@ -295,7 +295,7 @@ def test_a_shadow_chain_is_the_eager_draft_computed_as_it_is_read(tiny_targets, 
     context = prompt_ids + run.output_ids  # the drafter has observed every position but the last
     rows = []  # head rows computed: per position one (dels: and the local head's readout)
     head = model.draft_logits
-    model.draft_logits = lambda hidden: rows.append(len(hidden)) or head(hidden)
+    model.draft_logits = lambda hidden: rows.append(hidden.numel() // hidden.shape[-1]) or head(hidden)
     per_position = 2 if method == "dels" else 1
     with torch.inference_mode():  # as the engine's propose runs it
         chain = drafter.shadow_tokens(context, 6)

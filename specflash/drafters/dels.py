@@ -15,7 +15,7 @@ way, so the engine's verification keeps the method lossless at every temperature
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
@@ -74,11 +74,11 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
     return collect_fused(fuse_positions(iter(long_logits), head, root, alpha, beta, vocab, readout, candidates))
 
 
-def collect_fused(positions: Iterator[dict[str, Any]]) -> dict[str, Any]:
-    """fuse_positions' records as one block: target token ids, fused probabilities, each
-    position's top fused tokens, the trace."""
+def collect_fused(positions: Iterable[FusedPosition]) -> dict[str, Any]:
+    """Fused positions as one block: target token ids, fused probabilities, each position's top
+    fused tokens, the trace."""
     tokens, q, top, trace = [], [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
-    for position in positions:
+    for position in (position.record() for position in positions):
         tokens.append(position.pop("token"))
         q.append(position.pop("q"))
         top.append(position.pop("top"))
@@ -112,56 +112,80 @@ class Fusion:
         # the pool in index order, so argmax breaks ties as DFlash's does (the first index): with
         # bf16 drafter logits, ties at the top are common, and topk orders them arbitrarily
         pool = base.topk(self.candidates).indices.sort().values if 0 < self.candidates < base.numel() else None
+        vocab = None if self.vocab is None else self.vocab.to(row.device)
+        ids = pool if vocab is None else vocab if pool is None else vocab[pool]  # target ids of the scores
         readout = None
         if self.alpha:
-            vocab = None if self.vocab is None else self.vocab.to(row.device)
-            readout = self.readout if pool is None else self.head.readout_rows(pool if vocab is None else vocab[pool])
-        return FusionSlot(row, prior, base if pool is None else base[pool], pool, readout, int(row.argmax()))
+            readout = self.readout if pool is None else self.head.readout_rows(ids)
+        return FusionSlot(row, prior, base if pool is None else base[pool], pool, ids, readout, int(row.argmax()))
 
     def step(self, slot: FusionSlot, last: int,
-             state: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
+             state: torch.Tensor | None) -> tuple[FusedPosition, torch.Tensor | None]:
         """One position: the prepared `slot` fused with the local head after it reads `last` from
-        `state`; the position's record and the head's state after `last`."""
-        row, prior, pool, scores = slot.row, slot.prior, slot.pool, slot.scores
+        `state`; the position (its trace record read only when asked) and the head's state after
+        `last`."""
         if self.alpha:
-            short, state = self.head(torch.tensor([[last]], device=row.device), state, slot.readout)
-            short = short[0, -1]  # over the pool, or every token
+            short, state = self.head.token_step(self.vocab)(last, state, slot.readout)  # over the pool, or every token
+            fused = slot.scores + self.alpha * short
         else:
-            short = torch.zeros_like(scores)
-        fused = scores + self.alpha * short
+            short, fused = None, slot.scores
         j = fused.argmax()
         probs = torch.softmax(fused, -1)
         best = probs.topk(min(self.width, probs.numel()))
-        # the chosen token, the fused top _TOP and the top `width`, every trace value read in one transfer
-        at = torch.cat([j[None], fused.topk(min(_TOP, fused.numel())).indices, best.indices])  # fused positions
-        where = at if pool is None else pool[at]  # base indices
-        ids = where if self.vocab is None else self.vocab.to(row.device)[where]
-        values = torch.stack([row[where], self.alpha * short[at], -self.beta * prior[where]]).tolist()
-        tokens, wheres = ids.tolist(), where.tolist()
-        n_top = 1 + min(_TOP, fused.numel())
+        at = torch.cat([j[None], best.indices])  # the chosen token, then the top `width`, read in one transfer each
+        tokens = (at if slot.ids is None else slot.ids[at]).tolist()
+        values = torch.cat([probs[j][None], best.values]).tolist()
+        return FusedPosition(tokens[0], values[0], (values[1:], tokens[1:]), self, slot, fused, short), state
+
+
+@dataclass(frozen=True)
+class FusedPosition:
+    """One fused position: what a tree needs of every node at once (the chosen token, its fused
+    probability, the top `width` as (probabilities, target ids)), and what its trace record is
+    read from, only for the positions the trace keeps (a tree's fused chain)."""
+
+    token: int
+    q: float
+    top: tuple[list[float], list[int]]
+    fusion: Fusion
+    slot: FusionSlot
+    fused: torch.Tensor
+    short: torch.Tensor | None
+
+    def record(self) -> dict[str, Any]:
+        """The position as the trace records it: the chosen token's long, short and prior terms,
+        whether the local head flipped DFlash's choice, and the fused top _TOP's terms."""
+        slot, fusion, fused = self.slot, self.fusion, self.fused
+        at = torch.cat([fused.argmax()[None], fused.topk(min(_TOP, fused.numel())).indices])  # fused positions
+        where = at if slot.pool is None else slot.pool[at]  # base indices
+        short = torch.zeros(len(at)) if self.short is None else fusion.alpha * self.short[at].to(slot.row.device)
+        values = torch.stack([slot.row[where], short.to(slot.row.dtype), -fusion.beta * slot.prior[where]]).tolist()
+        tokens = (at if slot.ids is None else slot.ids[at]).tolist()
         return {
-            "token": tokens[0],
-            "q": float(probs[j]),
-            "top": (best.values.tolist(), tokens[n_top:]),
+            "token": self.token,
+            "q": self.q,
+            "top": self.top,
             "long": values[0][0],
             "short": values[1][0],
             "prior": values[2][0],
-            "flipped": wheres[0] != slot.argmax,
+            "flipped": int(where[0]) != slot.argmax,
             "alternatives": [{"token": tokens[i], "long": values[0][i], "short": values[1][i], "prior": values[2][i]}
-                             for i in range(1, n_top)],
-        }, state
+                             for i in range(1, len(at))],
+        }
 
 
 @dataclass(frozen=True)
 class FusionSlot:
     """One position's part of the fusion that does not depend on the path: DFlash's logits `row`,
     the prior, the pool's base scores (long - beta * prior over `pool`, or every token when `pool`
-    is None), the local head's readout over the pool, and DFlash's own argmax there."""
+    is None), their target ids (None: the scores' indices are the ids), the local head's readout
+    over the pool, and DFlash's own argmax there."""
 
     row: torch.Tensor
     prior: torch.Tensor
     scores: torch.Tensor
     pool: torch.Tensor | None
+    ids: torch.Tensor | None
     readout: Callable[[torch.Tensor], torch.Tensor] | None
     argmax: int
 
@@ -169,33 +193,33 @@ class FusionSlot:
 def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int, alpha: float, beta: float,
                    vocab: torch.Tensor | None = None,
                    readout: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   candidates: int = 0, width: int = 1) -> Iterator[dict[str, Any]]:
+                   candidates: int = 0, width: int = 1) -> Iterator[FusedPosition]:
     """fuse_block one position at a time, each from the next of `long_rows` (DFlash's logits for
     that slot, [V] or [N]), pulled only when that position is asked for: a shadow draft that
-    misses early never computes the rest (drafters/dflash.py ShadowChain). Each record's `top`
-    holds the position's `width` most probable fused tokens, (probabilities, target ids)."""
+    misses early never computes the rest (drafters/dflash.py ShadowChain). Each position's `top`
+    holds its `width` most probable fused tokens, (probabilities, target ids)."""
     fusion = Fusion(head, alpha, beta, vocab, readout, candidates, width)
     prior, state, last = None, None, root
     for row in long_rows:
         prior = fusion.prior(row.device) if prior is None else prior
-        record, state = fusion.step(fusion.slot(row, prior), last, state)
-        last = record["token"]
-        yield record
+        position, state = fusion.step(fusion.slot(row, prior), last, state)
+        last = position.token
+        yield position
 
 
 def fused_tree(long_logits: torch.Tensor, fusion: Fusion, root: int, nodes: int) -> tuple[DraftTree, list[float],
-                                                                                         list[dict[str, Any]]]:
+                                                                                         list[FusedPosition]]:
     """The `nodes` most probable paths through the block as a draft tree, each node's successors
     fused with the local head after it read that node's own path: every branch is scored as the
     method would continue it, where a tree over the fused chain's per-position tops scores a
     runner-up's successors as if the chain's token came first. It costs what the chain costs,
     one fusion per expanded node (the root and each node above the last slot, at most `nodes`).
-    Returns the tree, each node's probability given its parent, and the records of the fused
+    Returns the tree, each node's probability given its parent, and the positions of the fused
     chain (the root's argmax child, its argmax child, ..., as far as they were expanded), for
     the trace. Best-first over path probabilities, so every kept path's prefix is kept."""
     prior = fusion.prior(long_logits.device)
     slots: dict[int, FusionSlot] = {}
-    expanded: dict[int, dict[str, Any]] = {}  # node -> the record of the position after it
+    expanded: dict[int, FusedPosition] = {}  # node -> the position after it
     order = count()  # ties in probability pop in push order
 
     def successors(node: int, at: tuple[int, int, torch.Tensor | None] | None) -> list[Successor]:
@@ -205,15 +229,15 @@ def fused_tree(long_logits: torch.Tensor, fusion: Fusion, root: int, nodes: int)
             return []
         if slot not in slots:
             slots[slot] = fusion.slot(long_logits[slot], prior)
-        record, after = fusion.step(slots[slot], last, state)
-        expanded[node] = record
-        return [(p, next(order), token, (slot, token, after)) for p, token in zip(*record["top"])]
+        position, after = fusion.step(slots[slot], last, state)
+        expanded[node] = position
+        return [(p, next(order), token, (slot, token, after)) for p, token in zip(*position.top)]
 
     tree, q = best_first_tree(successors, nodes)
     chain, node = [], ROOT
     while node in expanded:
         chain.append(expanded[node])
-        node = next((i for i in tree.children(node) if tree.tokens[i] == expanded[node]["token"]), None)
+        node = next((i for i in tree.children(node) if tree.tokens[i] == expanded[node].token), None)
     return tree, q, chain
 
 
@@ -223,13 +247,14 @@ class DeLSDrafter(DFlashEngineDrafter):
     def __init__(self, model, cfg: DeLSConfig, head: LocalHead, cost: list[float] | None = None) -> None:
         super().__init__(model, cfg, cost)
         self.head = head.eval()
+        head.token_step(model.draft_ids)  # its table now, not inside the first step the gate times
 
     def long_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """DFlash's logits [k, V], or [k, N] over its draft vocabulary, for hidden [k, H]."""
         vocab = self.model.draft_ids
         return (self.model.logits(hidden) if vocab is None else self.model.draft_logits(hidden)).float()
 
-    def fusion(self, long_rows: Iterator[torch.Tensor], root: int) -> Iterator[dict[str, Any]]:
+    def fusion(self, long_rows: Iterator[torch.Tensor], root: int) -> Iterator[FusedPosition]:
         """fuse_positions with this drafter's head, knobs and draft vocabulary."""
         vocab = self.model.draft_ids
         return fuse_positions(long_rows, self.head, root, self.cfg.alpha, self.cfg.beta, vocab,
@@ -239,7 +264,7 @@ class DeLSDrafter(DFlashEngineDrafter):
         """The fused chain, each position's long logits and fusion computed when it is scored."""
         hidden = self.block_hidden(context)[1 : k + 1]
         fused = self.fusion((self.long_logits(row[None])[0] for row in hidden), context[-1])
-        return ShadowChain(k, (position["token"] for position in fused))
+        return ShadowChain(k, (position.token for position in fused))
 
     def draft_block(self, context: list[int], k: int) -> Draft:
         """The fused chain's k positions, drafted as it (and recorded in the trace as `chain`), or
@@ -252,7 +277,7 @@ class DeLSDrafter(DFlashEngineDrafter):
                             None if vocab is None else self.model.draft_logits, self.cfg.candidates,
                             self.cfg.tree_width)
             tree, q, chain = fused_tree(long, fusion, context[-1], k)
-            fused = collect_fused(iter(chain))
+            fused = collect_fused(chain)
         else:
             fused = collect_fused(self.fusion(iter(long), context[-1]))
             tree, q = DraftTree.chain(fused["tokens"]), fused["q"]
