@@ -49,8 +49,9 @@ time it, and again every `4 * probe_every` steps, so the estimate follows the ma
 
 What drafting costs by width. The drafter's own time d grows with the drafted width where
 each position costs work of its own: DeLS fuses the positions one at a time (about 7.7 ms for the
-block plus 1.2 ms per position on this CPU, one thread), where DFlash's head reads them all in one
-product (6.2 ms plus 0.2). So the gate times d by the number of positions drafting computed (a
+block plus 1.2 ms per position on this CPU, one thread, when this was written; in the
+twenty-eighth session's runs, two threads, ~2.2 ms for the block and its logits plus ~0.2 ms per
+fused node), where DFlash's head reads them all in one product (6.2 ms plus 0.2; then ~2.3 ms in all). So the gate times d by the number of positions drafting computed (a
 lazy shadow computes its first only) and reads d(m) off a line d0 + m * d1 fitted to those
 timings (slope at least 0; one width timed: flat). With one cost for every width, a drafter
 whose full block costs twice its first position priced its narrow drafts at the full block's
