@@ -158,7 +158,7 @@ class FusedPosition:
         slot, fusion, fused = self.slot, self.fusion, self.fused
         at = torch.cat([fused.argmax()[None], fused.topk(min(_TOP, fused.numel())).indices])  # fused positions
         where = at if slot.pool is None else slot.pool[at]  # base indices
-        short = torch.zeros(len(at)) if self.short is None else fusion.alpha * self.short[at].to(slot.row.device)
+        short = torch.zeros(len(at), device=fused.device) if self.short is None else fusion.alpha * self.short[at]
         values = torch.stack([slot.row[where], short.to(slot.row.dtype), -fusion.beta * slot.prior[where]]).tolist()
         tokens = (at if slot.ids is None else slot.ids[at]).tolist()
         return {
