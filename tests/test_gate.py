@@ -9,7 +9,7 @@ from conftest import LOSSLESS_ARCHS, hf_greedy
 from specflash.api import generate
 from specflash.drafters.adaflash import AdaFlashConfig, AdaFlashDrafter
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
-from specflash.drafters.gate import DraftGate, cost_line
+from specflash.drafters.gate import DeviceTimings, DraftGate, GateDecision, cost_line
 from specflash.errors import MethodConfigError
 from test_draft_vocab import vocab_drafter
 
@@ -61,8 +61,8 @@ def test_looks_back_off_while_drafting_does_not_pay():
         gate.drafted(decision, 0.0)
         gate.verified(decision.width if decision.state == "probe" else 0, 0)  # a real look: every draft rejected
         context.append(5)
-    assert states[0] == "shadow" and states[1] == "off" and "on" not in states
-    # while the estimates are near the prior, a look drafts for real (worth more per unit cost than
+    assert states[0] == "probe" and states[1] == "off" and "on" not in states
+    # the first step and, while the estimates are near the prior, every look drafts for real (worth more per unit cost than
     # a shadow's one token for 1 + d); once misses have pulled them down, the looks are shadows
     kinds = [states[i] for i in looks[1:]]
     assert kinds[0] == "probe" and kinds[-1] == "shadow" and kinds == sorted(kinds)
@@ -135,7 +135,9 @@ def test_useless_drafter_is_switched_off_and_runs_only_on_probes(tiny_targets, a
     decode = run.steps[1:]
     gates = [s.extras["gate"] for s in decode]
     states = [g["state"] for g in gates]
-    assert states[0] == "shadow"
+    # the first step looks for real: at the prior of 0.5, drafting a token is worth 1.5 / (1.3 + 0.1)
+    # of plain decoding on these costs, a shadow's token 1 / 1.1
+    assert states[0] == "probe" and gates[0]["reason"].startswith("first step")
     off = states.index("off")
     assert off <= 4 and "does not pay" in gates[off]["reason"]  # the prior of 0.5 allows a few tries
     decode, states = decode[off:], states[off:]
@@ -185,8 +187,10 @@ def test_gate_records_are_plain_json(tiny_targets, monkeypatch):
 
     again = RunRecord.from_json(run.to_json())
     assert [s.extras.get("gate") for s in again.steps] == [s.extras.get("gate") for s in run.steps]
-    assert again.steps[1].extras["gate"]["state"] == "shadow" and again.steps[1].extras["shadow"]
     assert "off" in [s.extras["gate"]["state"] for s in again.steps[1:]]
+    # where verifying a second token costs more than 1.5 + d / 2 plain steps, the first look is a shadow
+    shadow = DraftGate([1.0 + i for i in range(9)], depth=7, draft_cost=0.1).decide(7)
+    assert shadow.state == "shadow" and GateDecision(**shadow.to_dict()) == shadow
 
 
 class _Clock:
@@ -233,9 +237,9 @@ def test_gate_stops_drafting_when_this_run_pays_more_than_the_cached_curve(monke
         clock.now += (0.004 if decision.width else 0.0) + (0.072 if verified else 0.040)
         gate.verified(verified, 1 if verified and step % 3 == 0 else 0)
         context.append(5)
-    assert states[0] == ("shadow", 3)
+    assert states[0] == ("probe", 3)  # the cached curve's free verification: the first look drafts for real
     assert gate.cost[3] == pytest.approx(1.8)
-    assert all(s in ("off", "shadow") for s, _ in states[5:])
+    assert all(s != "on" for s, _ in states[5:])  # off, but for its looks
     uncalibrated = DraftGate(FLAT[:4], depth=3, draft_cost=gate.drafting_cost(3))
     gate.accept = uncalibrated.accept = [0.4, 0.3, 0.3]
     assert gate.decide(3).state in ("off", "shadow")
@@ -275,6 +279,45 @@ def test_gate_prices_each_width_at_its_own_drafting_cost(monkeypatch):
     lookup = gate_module.GateDecision("lookup", 3, 1.0, "")
     gate.drafted(lookup, 0.040)  # prompt lookup's draft is not the drafter's cost
     assert gate.draft_costs == pytest.approx({3: 0.35, 1: 0.25})
+
+
+def test_a_gate_starts_from_what_the_last_run_measured_of_the_device():
+    """A calibrating gate hands its timings to the next run's gate, which reads its cost curve from
+    them and needs no plain step to time until `4 * probe_every` steps after the last; a gate with
+    a fixed drafter cost measures nothing and takes nothing."""
+    gate = DraftGate(FLAT[:4], depth=3, probe_every=2)
+    assert gate.device_timings() is None and gate.wants_plain_step  # nothing timed yet
+    gate.seconds, gate.step_time, gate.draft_costs, gate.since_plain = {1: 0.040, 3: 0.068}, 0.040, {3: 0.2}, 5
+    carried = gate.device_timings()
+    assert carried == DeviceTimings({1: 0.040, 3: 0.068}, 0.040, {3: 0.2}, 5)
+    following = DraftGate(FLAT[:4], depth=3, probe_every=2, timings=carried)
+    assert following.cost == gate.cost and following.drafting_cost(3) == pytest.approx(0.2)
+    assert not following.wants_plain_step  # 5 steps since the last plain one, of 8
+    following.since_plain = 8
+    assert following.wants_plain_step
+    gate.seconds[1] = 0.5
+    assert following.seconds[1] == 0.040  # a copy: the runs do not share their EMAs
+    fixed = DraftGate(FLAT[:4], depth=3, draft_cost=0.1, timings=carried)
+    assert fixed.device_timings() is None and fixed.seconds == {} and fixed.drafting_cost(3) == 0.1
+
+
+def test_a_drafters_next_run_skips_the_plain_timing_step(tiny_targets):
+    """The drafter keeps what its gate measured of the device for its next run: the first run
+    spends a decode step verifying the root alone to time it, the next drafts from its first step
+    (the first look drafts for real where verifying is cheap) and times nothing plain at the start,
+    whatever its drafts are worth after (this one's are mostly wrong)."""
+    target = tiny_targets["llama"]
+    prompt_ids = target.tokenizer(PROMPT)["input_ids"]
+    greedy = hf_greedy(target, prompt_ids, 24)
+    model = vocab_drafter(target, sorted(set(greedy)), feature_layers=(1,))
+    drafter = DFlashEngineDrafter(model, DFlashConfig(lookup=False, datastore=False), FLAT)
+    runs = [generate(target, prompt_ids, drafter=drafter, max_new_tokens=24, stop_on_eos=False) for _ in range(2)]
+    assert all(run.output_ids == greedy for run in runs)
+    first, second = ([s.extras["gate"] for s in run.steps[1:4]] for run in runs)
+    assert first[0]["state"] == "probe" and any("timing one plain step" in g["reason"] for g in first)
+    assert second[0]["state"] == "probe" and second[0]["reason"].startswith("first step")
+    assert not any("timing one plain step" in g["reason"] for g in second)
+    assert runs[1].steps[1].verified == len(runs[1].steps[1].tokens) + 1 > 1  # the look's draft was verified
 
 
 @pytest.mark.parametrize("method", ["dflash", "adaflash", "dels"])

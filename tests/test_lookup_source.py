@@ -185,7 +185,7 @@ def test_drafter_catches_up_after_lookup_steps(tiny_targets, monkeypatch):
     monkeypatch.setattr(dflash_module, "DraftGate", functools.partial(DraftGate, draft_cost=0.0))
     target = _looping(tiny_targets["qwen3"], [11, 42, 7, 93, 25, 60])
     prompt_ids = [11, 42, 7, 93, 25, 60, 11, 42]
-    reference = hf_greedy(target, prompt_ids, 30)
+    reference = hf_greedy(target, prompt_ids, 60)
     offer, calls = LookupSource.offer, []
 
     def every_other_step(self, *args):
@@ -197,7 +197,7 @@ def test_drafter_catches_up_after_lookup_steps(tiny_targets, monkeypatch):
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
     run = generate(target, prompt_ids, drafter=DFlashEngineDrafter(model, DFlashConfig(lookup=True), [1.0] * 9),
-                   max_new_tokens=30)
+                   max_new_tokens=60)
     assert run.output_ids == reference
     decode = run.steps[1:]
     states = [s.extras["gate"]["state"] for s in decode]

@@ -151,7 +151,9 @@ class DFlashEngineDrafter(Drafter):
         super().begin(prompt_ids, sampling, generator)
         self.cache = DFlashCache(self.spec.num_layers)
         self.pending: list[torch.Tensor] = []  # features [m, n_feat*H] not yet in the cache
-        self.gate = (DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on)
+        last = getattr(self, "gate", None)  # the gate of this drafter's last run: what it measured of the device
+        self.gate = (DraftGate(self.cost, self.draft_len, self.cfg.probe_every, switch_on=self.cfg.switch_on,
+                               timings=None if last is None else last.device_timings())
                      if self.cfg.gate else None)
         self.lookups = (LookupSource(self.draft_len, max_ngram=self.cfg.lookup_max_ngram)
                         if self.cfg.lookup and self.cfg.gate else None)

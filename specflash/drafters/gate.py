@@ -10,8 +10,8 @@ every drafting step); m = 0, plain decoding, is worth exactly 1. When that is 0,
 and the step feeds only the root.
 
 Looking while off. Every `probe_every` steps while off (an interval that doubles after each look
-that did not pay, up to 4x, and resets when drafting pays again) the gate looks, and on the first
-step, before it has any estimate, it looks with a shadow draft. Where verifying is dear, every look
+that did not pay, up to 4x, and resets when drafting pays again) the gate looks, and so it does on the first
+step, before it has any estimate (from the prior of 0.5). Where verifying is dear, every look
 is a shadow draft: a full block, not verified, scored token by token against what the target
 commits over the next steps. It costs the drafter's block forward, with the head run only for the
 positions scored (their tokens are computed on demand, and scoring stops at the first miss). On
@@ -46,6 +46,11 @@ every step by the number of tokens it verified, and once it has timed a plain on
 a wider one it reads c(n) from its own timings (unseen widths: the cached curve scaled by the
 ratio measured at the seen ones). When it has drafted from the start it takes one plain step to
 time it, and again every `4 * probe_every` steps, so the estimate follows the machine's load.
+What it measured carries over to the same drafter's next run (`DeviceTimings`; a server builds
+its drafter once and starts every request afresh): the device does not change between requests,
+where every request paying a plain timing step again cost one decode step in every 12 to 20 on
+the benchmark's requests (48-64 tokens). The acceptance estimates start from the prior each run:
+they are the request's own.
 
 What drafting costs by width. The drafter's own time d grows with the drafted width where
 each position costs work of its own: DeLS fuses the positions one at a time (about 7.7 ms for the
@@ -93,12 +98,26 @@ class GateDecision:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class DeviceTimings:
+    """What a calibrating gate measured of the device by the end of a run (the EMAs of a step's
+    time by tokens verified, of one plain step, of the drafter's cost by positions, and the steps
+    since a plain one was timed), for the same drafter's next run to start from."""
+
+    seconds: dict[int, float]
+    step_time: float
+    draft_costs: dict[int, float]
+    since_plain: int
+
+
 class DraftGate:
     def __init__(self, cost: list[float], depth: int, probe_every: int = 8, smoothing: float = 0.1,
-                 draft_cost: float | None = None, switch_on: float = 1.0) -> None:
+                 draft_cost: float | None = None, switch_on: float = 1.0,
+                 timings: DeviceTimings | None = None) -> None:
         """`cost` [c(1)=1, c(2), ...] at least depth + 1 long; `draft_cost` fixes d (in units
         of one target step) instead of timing it, for reproducible decisions; `switch_on` is the
-        value a width must reach to start drafting while off."""
+        value a width must reach to start drafting while off; `timings` what an earlier run of
+        the same drafter measured (a calibrating gate starts from them)."""
         if len(cost) < depth + 1:
             raise ValueError(f"the verify-cost curve has {len(cost)} points, the gate needs {depth + 1}")
         self.prior, self.depth, self.probe_every, self.smoothing = list(cost), depth, probe_every, smoothing
@@ -117,6 +136,16 @@ class DraftGate:
         self._last: tuple[float, float, int] | None = None  # (step start, draft seconds, verified count)
         self._pending = GateDecision("off", 0, 1.0, "")
         self._cost: tuple[tuple, list[float]] | None = None  # (the timings it came from, the curve)
+        if timings is not None and self.calibrate:
+            self.seconds, self.draft_costs = dict(timings.seconds), dict(timings.draft_costs)
+            self.step_time, self.since_plain = timings.step_time, timings.since_plain
+
+    def device_timings(self) -> DeviceTimings | None:
+        """What this run measured of the device, for the drafter's next run; None where the gate
+        does not time itself or has not timed a plain step."""
+        if not self.calibrate or self.step_time is None or 1 not in self.seconds:
+            return None
+        return DeviceTimings(dict(self.seconds), self.step_time, dict(self.draft_costs), self.since_plain)
 
     # ---- decisions -------------------------------------------------------------------------
 
@@ -179,8 +208,7 @@ class DraftGate:
         values = [self.value(m, cost) for m in range(depth + 1)]
         best = _best_width(values)
         if self.accept[0] is None and self.shadow is None:
-            return GateDecision("shadow", depth, values[depth], "first step: a shadow draft measures acceptance "
-                                "without paying to verify it")
+            return self._look(values, "first step")
         self.since_probe += 1
         waiting = not self.drafting and best > 0 and values[best] < self.switch_on
         self.drafting = best > 0 and not waiting
@@ -200,18 +228,19 @@ class DraftGate:
         return GateDecision("on", best, values[best], f"width {best} is worth {values[best]:.2f}x plain decoding "
                                                       f"(verifying {best + 1} tokens costs {cost[best]:.2f}x one)")
 
-    def _look(self, values: list[float]) -> GateDecision:
-        """A look while off: a shadow draft, or a real one where verifying it is worth more than a
-        shadow, which commits one token for the block's cost (values[m] per unit cost vs 1 / (1 + d))."""
+    def _look(self, values: list[float], why: str | None = None) -> GateDecision:
+        """A look, while off or on the first step (`why` says which): a shadow draft, or a real one
+        where verifying it is worth more than a shadow, which commits one token for the block's
+        cost (values[m] per unit cost vs 1 / (1 + d))."""
         depth = len(values) - 1
         width = _best_width([0.0, *values[1:]])
         shadow = 1.0 / (1.0 + self.drafting_cost(1))  # a lazy shadow computes the block and its first position
+        why = why or f"drafting off for {self.since_probe} steps"
         if values[width] > shadow:
-            return GateDecision("probe", width, values[width], f"drafting off for {self.since_probe} steps: a look "
-                                f"by drafting {width} for real, worth {values[width]:.2f}x plain decoding against a "
-                                f"shadow's {shadow:.2f}x")
-        return GateDecision("shadow", depth, values[depth], f"drafting off for {self.since_probe} steps: a "
-                            "shadow draft, scored against the tokens the target commits next")
+            return GateDecision("probe", width, values[width], f"{why}: a look by drafting {width} for real, worth "
+                                f"{values[width]:.2f}x plain decoding against a shadow's {shadow:.2f}x")
+        return GateDecision("shadow", depth, values[depth], f"{why}: a shadow draft, scored against the tokens the "
+                            "target commits next")
 
     # ---- observations ----------------------------------------------------------------------
 
