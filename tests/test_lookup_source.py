@@ -207,9 +207,16 @@ def test_drafter_catches_up_after_lookup_steps(tiny_targets, monkeypatch):
     assert len(forwards) == sum(state in ("on", "probe", "shadow") for state in states)
 
 
-def test_lookup_leaves_the_gate_its_plain_timing_steps(tiny_targets):
+def test_lookup_leaves_the_gate_its_plain_timing_steps(tiny_targets, monkeypatch):
     """A gate timing its own steps measures every width against a plain one-token step, taken every
-    4 * probe_every steps at least; lookup, which could draft every step here, yields to it."""
+    4 * probe_every steps at least; lookup, which could draft every step here, yields to it. The
+    clock ticks a fixed 1 ms per read, so every width times alike: with the real clock, a loaded
+    machine could time wide steps dear enough that lookup stopped paying (a flaky test)."""
+    import itertools
+    import time
+
+    ticks = itertools.count(0.0, 0.001)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks))
     target = _looping(tiny_targets["llama"], [11, 42, 7, 93, 25, 60])
     prompt_ids = [11, 42, 7, 93, 25, 60, 11, 42]
     model = vocab_drafter(target, [11, 42, 7, 93, 25, 60], feature_layers=(1,))
