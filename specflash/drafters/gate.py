@@ -10,9 +10,9 @@ every drafting step); m = 0, plain decoding, is worth exactly 1. When that is 0,
 and the step feeds only the root.
 
 Looking while off. Every `probe_every` steps while off (an interval that doubles after each look
-that did not pay, up to 4x, and resets when drafting pays again) the gate looks, and so it does on the first
-step, before it has any estimate (from the prior of 0.5). Where verifying is dear, every look
-is a shadow draft: a full block, not verified, scored token by token against what the target
+that did not pay, up to 4x, and resets when drafting pays again) the gate looks, and so it does
+on the first step, before it has any estimate (from the prior of 0.5). Where verifying is dear,
+every look is a shadow draft: a full block, not verified, scored token by token against what the target
 commits over the next steps. It costs the drafter's block forward, with the head run only for the
 positions scored (their tokens are computed on demand, and scoring stops at the first miss). On
 the 2-core AVX2 CPU, one thread, a shadow cost 0.16 of a step where verifying one more token cost
@@ -56,8 +56,9 @@ What drafting costs by width. The drafter's own time d grows with the drafted wi
 each position costs work of its own: DeLS fuses the positions one at a time (about 7.7 ms for the
 block plus 1.2 ms per position on this CPU, one thread, when this was written; in the
 twenty-eighth session's runs, two threads, ~2.2 ms for the block and its logits plus ~0.2 ms per
-fused node), where DFlash's head reads them all in one product (6.2 ms plus 0.2; then ~2.3 ms in all). So the gate times d by the number of positions drafting computed (a
-lazy shadow computes its first only) and reads d(m) off a line d0 + m * d1 fitted to those
+fused node), where DFlash's head reads them all in one product (6.2 ms plus 0.2; in those runs
+~2.3 ms in all). So the gate times d by the number of positions drafting computed (a lazy shadow
+computes its first only) and reads d(m) off a line d0 + m * d1 fitted to those
 timings (slope at least 0; one width timed: flat). With one cost for every width, a drafter
 whose full block costs twice its first position priced its narrow drafts at the full block's
 cost, and switched drafting off where a short draft paid.
