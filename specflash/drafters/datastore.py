@@ -79,8 +79,10 @@ class Datastore:
         if found is None or k <= 0:
             return [], 0
         ngram, lo, hi = found
-        spread = np.linspace(lo, hi - 1, _VOTERS).astype(np.int64)  # evenly over the range, where it is long
-        picks = self.order[lo:hi] if hi - lo <= _VOTERS else self.order[spread]
+        if hi - lo <= _VOTERS:
+            picks = self.order[lo:hi]
+        else:  # evenly over the range
+            picks = self.order[np.linspace(lo, hi - 1, _VOTERS).astype(np.int64)]
         at = np.minimum(self.depth + picks[:, None] + np.arange(k)[None], len(self.padded) - 1)  # the last is a separator
         return vote(self.padded[at], k), ngram
 

@@ -84,10 +84,18 @@ class LocalHead(nn.Module):
         """ids [B, T] -> (logits [B, T, V]: position j predicts token j+1, GRU state [1, B, G]).
         `readout` replaces the borrowed LM head, e.g. a DFlash drafter's `draft_logits` (the rows of
         the same head for its draft vocabulary only: the head is most of a step's cost)."""
+        out, state = self.gru(self.embedded(ids), state)  # [B, T, G]
+        return self.read_out(out, readout), state
+
+    def embedded(self, ids: torch.Tensor) -> torch.Tensor:
+        """The borrowed embeddings of `ids`, in the GRU's dtype: [..., E]."""
+        return self._borrowed[0](ids).to(self.proj.weight.dtype)
+
+    def read_out(self, out: torch.Tensor, readout: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+        """GRU outputs [..., G] -> float32 logits of the next token through `readout`, or the
+        borrowed LM head."""
         head = self._borrowed[1]
-        emb = self._borrowed[0](ids).to(self.proj.weight.dtype)  # [B, T, E]
-        out, state = self.gru(emb, state)  # [B, T, G]
-        return (readout or head)(self.proj(out).to(head.weight.dtype)).float(), state
+        return (readout or head)(self.proj(out).to(head.weight.dtype)).float()
 
 
 class TokenStep:
@@ -101,8 +109,7 @@ class TokenStep:
 
     @torch.inference_mode()
     def __init__(self, head: LocalHead, tokens: torch.Tensor | None) -> None:
-        self.embed, self.lm_head = head._borrowed
-        self.proj = head.proj
+        self.head = head
         self.w_ih, self.w_hh = head.gru.weight_ih_l0, head.gru.weight_hh_l0
         self.rows: dict[int, int] = {}
         self.table = None
@@ -113,7 +120,7 @@ class TokenStep:
 
     def inputs(self, tokens: torch.Tensor) -> torch.Tensor:
         """W_ih x for the embeddings x of `tokens` [n] -> [n, 3G]."""
-        return nn.functional.linear(self.embed(tokens).to(self.w_ih.dtype), self.w_ih)
+        return nn.functional.linear(self.head.embedded(tokens), self.w_ih)
 
     @torch.inference_mode()
     def __call__(self, token: int, state: torch.Tensor | None,
@@ -131,7 +138,7 @@ class TokenStep:
             h_r, h_z, h_n = nn.functional.linear(state, self.w_hh).chunk(3)
             z, n = torch.sigmoid(i_z + h_z), torch.tanh(i_n + torch.sigmoid(i_r + h_r) * h_n)
             state = n + z * (state - n)
-        return (readout or self.lm_head)(self.proj(state).to(self.lm_head.weight.dtype)).float(), state
+        return self.head.read_out(state, readout), state
 
 
 def check_fits(spec: LocalHeadSpec, target) -> None:
