@@ -36,9 +36,9 @@ def random_head(target, seed=0, hidden=32, std=0.3):
 @pytest.mark.parametrize("table", [False, True])
 def test_one_token_steps_are_the_heads_forward(tiny_targets, table):
     """Drafting steps the head one token at a time (models/local_head.py TokenStep: input products
-    from a table for a token set, the GRU cell written out); token by token it must give the
-    logits and state the module's forward gives over the whole sequence, tokens in the table or
-    not."""
+    and readout rows from tables for a token set, the GRU cell written out); token by token it must
+    give the logits and state the module's forward gives over the whole sequence, tokens in the
+    table or not, and a readout over a few tokens their entries of the full logits."""
     target = tiny_targets["qwen3"]
     head = random_head(target, seed=3)
     ids = [5, 17, 3, 17, 40, 9]
@@ -52,6 +52,14 @@ def test_one_token_steps_are_the_heads_forward(tiny_targets, table):
             logits, state = step(token, state)
             got.append(logits)
     torch.testing.assert_close(torch.stack(got), expected[0], rtol=1e-5, atol=1e-5)
+    rows = torch.tensor([2, 0])  # positions in the token set, or target ids without one
+    ids = tokens[rows] if table else rows
+    with torch.no_grad():
+        full, _ = step(17, state)
+        few, _ = step(17, state, step.readout(rows))
+        every, _ = step(17, state, step.readout(None))
+    torch.testing.assert_close(few, full[ids], rtol=1e-5, atol=1e-5)  # the readout table's rows, or the head's
+    torch.testing.assert_close(every, full[tokens] if table else full, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
@@ -117,9 +125,7 @@ def test_fusion_over_a_draft_vocabulary_equals_the_full_one(tiny_targets):
     full = torch.full((7, target.vocab_size), float("-inf"))
     full[:, vocab] = small
     a = fuse_block(full, head, root=11, alpha=0.7, beta=0.3)
-    rows = target.model.get_output_embeddings().weight[vocab]
-    b = fuse_block(small, head, root=11, alpha=0.7, beta=0.3, vocab=vocab,
-                   readout=lambda hidden: torch.nn.functional.linear(hidden, rows))
+    b = fuse_block(small, head, root=11, alpha=0.7, beta=0.3, vocab=vocab)
     assert a["tokens"] == b["tokens"] and set(a["tokens"]) <= set(vocab.tolist())
     assert a["q"] == pytest.approx(b["q"], abs=1e-6)
     assert a["trace"]["flipped"] == b["trace"]["flipped"] and any(a["trace"]["flipped"])

@@ -336,15 +336,14 @@ def test_a_shadow_chain_is_the_eager_draft_computed_as_it_is_read(tiny_targets, 
     prompt_ids = target.tokenizer(PROMPT)["input_ids"]
     run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=9, stop_on_eos=False)
     context = prompt_ids + run.output_ids  # the drafter has observed every position but the last
-    rows = []  # head rows computed: per position one (dels: and the local head's readout)
+    rows = []  # drafter head rows computed: one per position (dels's local head reads its own table)
     head = model.draft_logits
     model.draft_logits = lambda hidden: rows.append(hidden.numel() // hidden.shape[-1]) or head(hidden)
-    per_position = 2 if method == "dels" else 1
     with torch.inference_mode():  # as the engine's propose runs it
         chain = drafter.shadow_tokens(context, 6)
         assert isinstance(chain, ShadowChain) and len(chain) == 6 and chain.known == [] and rows == []
         assert chain.read_first() == chain.known == [chain[0]]  # what a shadow step's trace shows
-        assert rows == [1] * per_position
+        assert rows == [1]
         # the same block drafted eagerly (nothing new was observed); adaflash's chain before its cut
         eager = (DFlashEngineDrafter.draft_block(drafter, context, 6) if method == "adaflash"
                  else drafter.draft_block(context, 6)).tree.tokens

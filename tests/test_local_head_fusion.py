@@ -58,7 +58,7 @@ def test_offline_acceptance_is_what_the_methods_fusion_drafts(setup):  # noqa: F
         hidden = block_forward(drafter, seq, feats.float(), anchors)[:, 1:]
         for n in range(len(anchors)):
             drafted = fuse_block(drafter.draft_logits(hidden[n]), head, int(ex.blocks[n, 0]), alpha, beta,
-                                 drafter.draft_ids, drafter.draft_logits, candidates)["tokens"]
+                                 drafter.draft_ids, candidates)["tokens"]
             assert drafted[0] == int(first[n])  # the first slot reads the same root either way
             run = 0
             while run < 7 and ex.valid[n, run] and drafted[run] == int(ex.blocks[n, run + 1]):

@@ -56,14 +56,12 @@ class DeLSConfig(DFlashFamilyConfig):
 
 @torch.inference_mode()
 def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: float, beta: float,
-               vocab: torch.Tensor | None = None,
-               readout: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               candidates: int = 0) -> dict[str, Any]:
+               vocab: torch.Tensor | None = None, candidates: int = 0) -> dict[str, Any]:
     """Draft the block token by token: long_logits [k, V] are DFlash's, fixed; the local head
     reads the root and each chosen token. With a draft vocabulary `vocab` (target ids [N]),
     long_logits are [k, N] over it and the fusion runs there only: every other token has a long
-    logit of -inf, so it could never win. `readout` then gives the local head's logits over the
-    same N tokens (the drafter's `draft_logits`), at N/V of the full LM head's cost.
+    logit of -inf, so it could never win. The local head's logits are then read over the same N
+    tokens (its readout table, models/local_head.py TokenStep), at N/V of the full LM head's cost.
 
     `candidates` > 0 fuses only the `candidates` tokens ranked highest by long - beta * prior
     (re-ranking, as fusion drafters commonly do): the local head's readout, most of its cost per
@@ -71,7 +69,7 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
     win the full rule only when the short expert outweighs the long one's margin; the draft is
     verified either way, so this changes speed, never the output. 0 fuses every token.
     Returns target token ids, fused probabilities and the trace."""
-    return collect_fused(fuse_positions(iter(long_logits), head, root, alpha, beta, vocab, readout, candidates))
+    return collect_fused(fuse_positions(iter(long_logits), head, root, alpha, beta, vocab, candidates))
 
 
 def collect_fused(positions: Iterable[FusedPosition]) -> dict[str, Any]:
@@ -96,7 +94,6 @@ class Fusion:
     alpha: float
     beta: float
     vocab: torch.Tensor | None = None
-    readout: Callable[[torch.Tensor], torch.Tensor] | None = None
     candidates: int = 0
     width: int = 1
 
@@ -114,9 +111,8 @@ class Fusion:
         pool = base.topk(self.candidates).indices.sort().values if 0 < self.candidates < base.numel() else None
         vocab = None if self.vocab is None else self.vocab.to(row.device)
         ids = pool if vocab is None else vocab if pool is None else vocab[pool]  # target ids of the scores
-        readout = None
-        if self.alpha:
-            readout = self.readout if pool is None else self.head.readout_rows(ids)
+        # the head's readout over the pool: rows of its token set (the draft vocabulary), else target ids
+        readout = self.head.token_step(self.vocab).readout(pool if vocab is not None else ids) if self.alpha else None
         return FusionSlot(row, prior, base if pool is None else base[pool], pool, ids, readout, int(row.argmax()))
 
     def step(self, slot: FusionSlot, last: int,
@@ -191,14 +187,13 @@ class FusionSlot:
 
 
 def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int, alpha: float, beta: float,
-                   vocab: torch.Tensor | None = None,
-                   readout: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   candidates: int = 0, width: int = 1) -> Iterator[FusedPosition]:
+                   vocab: torch.Tensor | None = None, candidates: int = 0,
+                   width: int = 1) -> Iterator[FusedPosition]:
     """fuse_block one position at a time, each from the next of `long_rows` (DFlash's logits for
     that slot, [V] or [N]), pulled only when that position is asked for: a shadow draft that
     misses early never computes the rest (drafters/dflash.py ShadowChain). Each position's `top`
     holds its `width` most probable fused tokens, (probabilities, target ids)."""
-    fusion = Fusion(head, alpha, beta, vocab, readout, candidates, width)
+    fusion = Fusion(head, alpha, beta, vocab, candidates, width)
     prior, state, last = None, None, root
     for row in long_rows:
         prior = fusion.prior(row.device) if prior is None else prior
@@ -256,9 +251,8 @@ class DeLSDrafter(DFlashEngineDrafter):
 
     def fusion(self, long_rows: Iterator[torch.Tensor], root: int) -> Iterator[FusedPosition]:
         """fuse_positions with this drafter's head, knobs and draft vocabulary."""
-        vocab = self.model.draft_ids
-        return fuse_positions(long_rows, self.head, root, self.cfg.alpha, self.cfg.beta, vocab,
-                              None if vocab is None else self.model.draft_logits, self.cfg.candidates)
+        return fuse_positions(long_rows, self.head, root, self.cfg.alpha, self.cfg.beta, self.model.draft_ids,
+                              self.cfg.candidates)
 
     def shadow_tokens(self, context: list[int], k: int) -> ShadowChain:
         """The fused chain, each position's long logits and fusion computed when it is scored."""
@@ -272,9 +266,7 @@ class DeLSDrafter(DFlashEngineDrafter):
         hidden = self.block_hidden(context)[1 : k + 1]
         long = self.long_logits(hidden)
         if self.trees:
-            vocab = self.model.draft_ids
-            fusion = Fusion(self.head, self.cfg.alpha, self.cfg.beta, vocab,
-                            None if vocab is None else self.model.draft_logits, self.cfg.candidates,
+            fusion = Fusion(self.head, self.cfg.alpha, self.cfg.beta, self.model.draft_ids, self.cfg.candidates,
                             self.cfg.tree_width)
             tree, q, chain = fused_tree(long, fusion, context[-1], k)
             fused = collect_fused(chain)

@@ -105,29 +105,51 @@ class TokenStep:
     products of a fixed token set are a table row (8192 tokens x 3G: 50 MB in float32), other
     tokens are computed as before, and the cell is written out (PyTorch's GRU, no biases). Reading
     a tree's siblings from their shared state in one batch measured no faster in a run: a batch
-    computes every sibling, where a tree expands one or two."""
+    computes every sibling, where a tree expands one or two.
+
+    The readout is a table too: the LM head's rows for the token set times the projection,
+    (W_lm P) [n, G] (16 MB for 8192 tokens, G = 512), so a node's logits over a few of those
+    tokens are one small product with its state, where proj then the rows read P (1.2 MB) and
+    cast twice for every node."""
 
     @torch.inference_mode()
     def __init__(self, head: LocalHead, tokens: torch.Tensor | None) -> None:
         self.head = head
         self.w_ih, self.w_hh = head.gru.weight_ih_l0, head.gru.weight_hh_l0
         self.rows: dict[int, int] = {}
-        self.table = None
+        self.table = self.reads = self.read_bias = None
         if tokens is not None:
             tokens = tokens.to(self.w_ih.device)
             self.rows = {token: i for i, token in enumerate(tokens.tolist())}
             self.table = self.inputs(tokens)
+            lm = head._borrowed[1]
+            self.reads = lm.weight.index_select(0, tokens).to(self.w_ih.dtype) @ head.proj.weight
+            bias = getattr(lm, "bias", None)
+            self.read_bias = None if bias is None else bias.index_select(0, tokens).float()
 
     def inputs(self, tokens: torch.Tensor) -> torch.Tensor:
         """W_ih x for the embeddings x of `tokens` [n] -> [n, 3G]."""
         return nn.functional.linear(self.head.embedded(tokens), self.w_ih)
 
+    def readout(self, rows: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """State [G] -> float32 logits of the token set's `rows` (positions in it; None: all of
+        it), from the readout table; without a token set, `rows` are target ids (None: every
+        token), read through proj and the LM head."""
+        if self.reads is None:
+            rows_readout = None if rows is None else self.head.readout_rows(rows)
+            return lambda state: self.head.read_out(state, rows_readout)
+        matrix = self.reads if rows is None else self.reads.index_select(0, rows)
+        bias = None if self.read_bias is None else self.read_bias if rows is None else self.read_bias[rows]
+        if bias is None:
+            return lambda state: torch.mv(matrix, state).float()
+        return lambda state: torch.mv(matrix, state).float() + bias
+
     @torch.inference_mode()
     def __call__(self, token: int, state: torch.Tensor | None,
                  readout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """After reading `token` from `state` ([G], None at a block's start): the logits of the
-        next token (float32, [V], or what `readout` gives, as in LocalHead.forward) and the GRU
-        state [G]."""
+        next token (float32: `readout` of the new state, e.g. `self.readout(rows)`; by default
+        over every token, as LocalHead.forward) and the GRU state [G]."""
         row = self.rows.get(token)
         gi = self.table[row] if row is not None else self.inputs(torch.tensor([token], device=self.w_ih.device))[0]
         i_r, i_z, i_n = gi.chunk(3)
@@ -138,7 +160,7 @@ class TokenStep:
             h_r, h_z, h_n = nn.functional.linear(state, self.w_hh).chunk(3)
             z, n = torch.sigmoid(i_z + h_z), torch.tanh(i_n + torch.sigmoid(i_r + h_r) * h_n)
             state = n + z * (state - n)
-        return self.head.read_out(state, readout), state
+        return (readout or (lambda s: self.head.read_out(s, None)))(state), state
 
 
 def check_fits(spec: LocalHeadSpec, target) -> None:
