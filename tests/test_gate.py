@@ -287,18 +287,48 @@ def test_a_gate_starts_from_what_the_last_run_measured_of_the_device():
     a fixed drafter cost measures nothing and takes nothing."""
     gate = DraftGate(FLAT[:4], depth=3, probe_every=2)
     assert gate.device_timings() is None and gate.wants_plain_step  # nothing timed yet
-    gate.seconds, gate.step_time, gate.draft_costs, gate.since_plain = {1: 0.040, 3: 0.068}, 0.040, {3: 0.2}, 5
+    gate.seconds, gate.step_time, gate.draft_costs = {1: 0.040, 3: 0.068}, 0.040, {3: 0.2}
+    gate.step, gate.timed_at, gate.drafted_at = 5, {1: 0, 3: 4}, {3: 5}
     carried = gate.device_timings()
-    assert carried == DeviceTimings({1: 0.040, 3: 0.068}, 0.040, {3: 0.2}, 5)
+    assert carried == DeviceTimings({1: 0.040, 3: 0.068}, 0.040, {3: 0.2}, {1: 5, 3: 1}, {3: 0})
     following = DraftGate(FLAT[:4], depth=3, probe_every=2, timings=carried)
     assert following.cost == gate.cost and following.drafting_cost(3) == pytest.approx(0.2)
     assert not following.wants_plain_step  # 5 steps since the last plain one, of 8
-    following.since_plain = 8
+    following.step = 3
     assert following.wants_plain_step
     gate.seconds[1] = 0.5
     assert following.seconds[1] == 0.040  # a copy: the runs do not share their EMAs
     fixed = DraftGate(FLAT[:4], depth=3, draft_cost=0.1, timings=carried)
     assert fixed.device_timings() is None and fixed.seconds == {} and fixed.drafting_cost(3) == 0.1
+
+
+def test_a_stalled_step_prices_its_width_only_until_its_timing_goes_stale(monkeypatch):
+    """One step verifying 4 tokens stalls (0.5 s where it costs 0.05): the curve prices 4 tokens
+    at 10 plain steps, and the gate, drafting narrower since, never times 4 again. Once that timing
+    is `stale_after` steps old, the curve reads 4 tokens from the widths still timed, as it does a
+    width never timed, and the next run does not inherit the stall."""
+    import specflash.drafters.gate as gate_module
+
+    clock = _Clock()
+    monkeypatch.setattr(gate_module.time, "perf_counter", clock)
+    gate = DraftGate([1.0, 1.1, 1.2, 1.25], depth=3, probe_every=2)
+
+    def step(rows: int, seconds: float) -> None:
+        gate.step_started()
+        gate.verified(rows - 1, 0, rows)
+        clock.now += seconds
+
+    step(1, 0.040)
+    step(4, 0.500)
+    step(1, 0.040)
+    assert gate.cost[3] == pytest.approx(0.5 / 0.04)
+    for n in range(gate.stale_after):
+        step(1 if n % 4 == 0 else 2, 0.040 if n % 4 == 0 else 0.044)
+    step(1, 0.040)  # timed: the steps before it
+    scale = (0.044 / 0.040) / 1.1
+    assert gate.cost == pytest.approx([1.0, 1.1, 1.2 * scale, 1.25 * scale])
+    carried = gate.device_timings()
+    assert set(carried.seconds) == {1, 2} and DraftGate([1.0, 1.1, 1.2, 1.25], 3, timings=carried).cost == gate.cost
 
 
 def test_a_drafters_next_run_skips_the_plain_timing_step(tiny_targets):

@@ -50,7 +50,12 @@ What it measured carries over to the same drafter's next run (`DeviceTimings`; a
 its drafter once and starts every request afresh): the device does not change between requests,
 where every request paying a plain timing step again cost one decode step in every 12 to 20 on
 the benchmark's requests (48-64 tokens). The acceptance estimates start from the prior each run:
-they are the request's own.
+they are the request's own. A width's timing counts for `8 * probe_every` steps after it was last
+timed, then the curve reads that width from the others again. Why: one step slowed by a stall of
+the machine (0.5 s injected into a 20 ms step) priced 8-row verification at 3.7 plain steps, the
+gate never verified 8 rows again to correct it, and, carried over, that held every later request
+of the run to narrower drafts (a dev benchmark run had `dflash` at tau 1.5-1.6 from its fifth
+request on, where its other runs measure 2.3-2.4).
 
 What drafting costs by width. The drafter's own time d grows with the drafted width where
 each position costs work of its own: DeLS fuses the positions one at a time (about 7.7 ms for the
@@ -101,14 +106,16 @@ class GateDecision:
 
 @dataclass(frozen=True)
 class DeviceTimings:
-    """What a calibrating gate measured of the device by the end of a run (the EMAs of a step's
-    time by tokens verified, of one plain step, of the drafter's cost by positions, and the steps
-    since a plain one was timed), for the same drafter's next run to start from."""
+    """What a calibrating gate measured of the device by the end of a run, for the same drafter's
+    next run to start from: the EMAs of a step's time by tokens verified and of the drafter's cost
+    by positions, each with its age (steps since it was last timed; only those still current), and
+    of one plain step."""
 
     seconds: dict[int, float]
     step_time: float
     draft_costs: dict[int, float]
-    since_plain: int
+    ages: dict[int, int]
+    draft_ages: dict[int, int]
 
 
 class DraftGate:
@@ -130,7 +137,9 @@ class DraftGate:
         self.draft_costs: dict[int, float] = {}  # EMA of d (units of one target step) by positions computed
         self.step_time: float | None = None  # EMA of one plain target step, seconds
         self.seconds: dict[int, float] = {}  # EMA of a step's time (less drafting) by tokens verified
-        self.since_plain = 0  # steps since a plain one-token step was timed
+        self.step = 0  # steps timed; `timed_at` and `drafted_at`: the step each width was last timed
+        self.timed_at: dict[int, int] = {}  # (timings set without one count as current)
+        self.drafted_at: dict[int, int] = {}
         self.since_probe = 0
         self.backoff = 1
         self.shadow: tuple[int, Sequence[int], int] | None = None  # (context length, tokens, positions scored)
@@ -139,14 +148,35 @@ class DraftGate:
         self._cost: tuple[tuple, list[float]] | None = None  # (the timings it came from, the curve)
         if timings is not None and self.calibrate:
             self.seconds, self.draft_costs = dict(timings.seconds), dict(timings.draft_costs)
-            self.step_time, self.since_plain = timings.step_time, timings.since_plain
+            self.timed_at = {n: -age for n, age in timings.ages.items()}
+            self.drafted_at = {n: -age for n, age in timings.draft_ages.items()}
+            self.step_time = timings.step_time
 
     def device_timings(self) -> DeviceTimings | None:
-        """What this run measured of the device, for the drafter's next run; None where the gate
-        does not time itself or has not timed a plain step."""
-        if not self.calibrate or self.step_time is None or 1 not in self.seconds:
+        """What this run measured of the device and is still current, for the drafter's next run;
+        None where the gate does not time itself or has no current plain step."""
+        seconds = self.current(self.seconds, self.timed_at)
+        if not self.calibrate or self.step_time is None or 1 not in seconds:
             return None
-        return DeviceTimings(dict(self.seconds), self.step_time, dict(self.draft_costs), self.since_plain)
+        costs = self.current(self.draft_costs, self.drafted_at)
+        return DeviceTimings(seconds, self.step_time, costs, {n: self.age(self.timed_at, n) for n in seconds},
+                             {n: self.age(self.drafted_at, n) for n in costs})
+
+    @property
+    def stale_after(self) -> int:
+        """Steps after which a width's timing no longer counts (`8 * probe_every`): the gate stops
+        drafting a width its timing makes look dear, so one slow step (a stall of the machine, not
+        the width's cost) would otherwise price it for good, and with timings carried from run to
+        run, for every later request. The plain step is timed every `4 * probe_every` steps."""
+        return 8 * self.probe_every
+
+    def age(self, timed_at: dict[int, int], n: int) -> int:
+        """Steps since width n was timed (0 for a timing set without a step)."""
+        return self.step - timed_at.get(n, self.step)
+
+    def current(self, values: dict[int, float], timed_at: dict[int, int]) -> dict[int, float]:
+        """The timings by width (`seconds` or `draft_costs`) not older than `stale_after` steps."""
+        return {n: v for n, v in values.items() if self.age(timed_at, n) <= self.stale_after}
 
     # ---- decisions -------------------------------------------------------------------------
 
@@ -159,14 +189,15 @@ class DraftGate:
         """c(1) = 1, c(2), ...: from this run's timings once a plain step and a wider one are timed,
         else the cached curve; never decreasing, since timing noise can say otherwise. Read several
         times a step (the gate, prompt lookup, each graft), so kept until the timings change."""
-        timings = tuple(self.seconds.items())
+        seconds = self.current(self.seconds, self.timed_at)
+        timings = tuple(seconds.items())
         if self._cost is None or self._cost[0] != timings:
-            self._cost = (timings, self._curve())
+            self._cost = (timings, self._curve(seconds))
         return self._cost[1]
 
-    def _curve(self) -> list[float]:
-        base = self.seconds.get(1)
-        wider = {n: t / base for n, t in self.seconds.items() if n > 1} if self.calibrate and base else {}
+    def _curve(self, seconds: dict[int, float]) -> list[float]:
+        base = seconds.get(1)
+        wider = {n: t / base for n, t in seconds.items() if n > 1} if self.calibrate and base else {}
         if not wider:
             return self.prior
         scale = statistics.median(ratio / self.prior[n - 1] for n, ratio in wider.items())
@@ -185,14 +216,15 @@ class DraftGate:
         `draft_cost`, else the line fitted to this run's timings by width (0 until one is timed)."""
         if not self.calibrate:
             return self.draft_cost or 0.0
-        return cost_line(self.draft_costs, m)
+        return cost_line(self.current(self.draft_costs, self.drafted_at), m)
 
     @property
     def wants_plain_step(self) -> bool:
         """Whether the next step should verify the root alone, to time the plain step every cost is
         measured against: none timed yet, or none for `4 * probe_every` steps. A second source of
         drafts (lookup_source.py) yields to it, else a run it drafts throughout never refreshes it."""
-        return self.calibrate and (1 not in self.seconds or self.since_plain >= 4 * self.probe_every)
+        return self.calibrate and (1 not in self.current(self.seconds, self.timed_at)
+                                   or self.age(self.timed_at, 1) >= 4 * self.probe_every)
 
     def best_value(self, room: int) -> float:
         """What the best width up to `room` is worth (plain decoding, 1.0, included), for a second
@@ -253,8 +285,8 @@ class DraftGate:
             start, drafted_for, verified = self._last
             verified = min(verified, len(self.prior))
             seconds = max(now - start - drafted_for, 1e-9)
-            self.seconds[verified] = self._ema(self.seconds[verified], seconds) if verified in self.seconds else seconds
-            self.since_plain = 0 if verified == 1 else self.since_plain + 1
+            self.step += 1
+            self._record(self.seconds, self.timed_at, verified, seconds)
             one_step = seconds / self.cost[verified - 1]
             self.step_time = one_step if self.step_time is None else self._ema(self.step_time, one_step)
         self._last = (now, 0.0, 1)
@@ -266,8 +298,7 @@ class DraftGate:
             self._last = (self._last[0], seconds, 1)
         width = decision.width if positions is None else positions
         if width and decision.state != "lookup" and self.calibrate and self.step_time is not None:
-            d = seconds / self.step_time
-            self.draft_costs[width] = self._ema(self.draft_costs[width], d) if width in self.draft_costs else d
+            self._record(self.draft_costs, self.drafted_at, width, seconds / self.step_time)
         if decision.state in ("probe", "shadow"):
             self.since_probe = 0
         self._pending = decision
@@ -310,6 +341,13 @@ class DraftGate:
         best = _best_width(values)
         paid = best > 0 and values[best] >= (1.0 if self.drafting else self.switch_on)
         self.backoff = 1 if paid else min(self.backoff * 2, _MAX_BACKOFF)
+
+    def _record(self, values: dict[int, float], timed_at: dict[int, int], n: int, value: float) -> None:
+        """Width n timed at `value` this step: into its EMA, or its first value again where its
+        last timing went stale."""
+        current = n in values and self.age(timed_at, n) <= self.stale_after
+        values[n] = self._ema(values[n], value) if current else value
+        timed_at[n] = self.step
 
     def _ema(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new
