@@ -1,7 +1,10 @@
 """The app's only door to the engine: load each model once, run a method, turn errors into gr.Error.
 
-Models load lazily, once per (preset, device), and are shared by every session; the queue runs
-one decoding at a time (see ui.py), so sharing a target is safe. Every SpecFlashError becomes a
+Models load lazily, once per (preset, device), and are shared by every session; so are the last
+few drafters built (by method, drafter and knobs), as a server keeps its drafters: a run skips
+building one (the DeLS drafter's tables, a DFlash checkpoint's load) and its draft gate starts from
+what the same drafter measured of the device last time. The queue runs one decoding at a time
+(see ui.py), so sharing a target and its drafters is safe. Every SpecFlashError becomes a
 gr.Error carrying the engine's own message (bad prompt, bad knob, preset that needs files), so a
 user never sees a stack trace. On a ZeroGPU Space the decoding generator runs under
 `spaces.GPU`; it yields plain CPU-side records only (ids and floats), never tensors.
@@ -9,7 +12,9 @@ user never sees a stack trace. On a ZeroGPU Space the decoding generator runs un
 
 from __future__ import annotations
 
+import json
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -19,6 +24,8 @@ import torch
 
 import specflash
 from specflash.api import default_device, pack_run
+from specflash.drafters import build_drafter
+from specflash.drafters.base import Drafter
 from specflash.drafters.adaflash import annotate_cuts
 from specflash.config import SamplingConfig
 from specflash.engine import Decoding
@@ -56,12 +63,16 @@ def devices() -> list[str]:
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
+DRAFTERS_KEPT = 8  # built drafters kept, the least recently used dropped first (DeLS's: ~100 MB)
+
+
 class Runner:
-    """Loaded targets by (preset, device), and the calls the UI makes on them."""
+    """Loaded targets by (preset, device), the drafters built for them, and the calls the UI makes."""
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         self.cache_dir = cache_dir
         self._targets: dict[tuple[str, str], TargetModel] = {}
+        self._drafters: OrderedDict[tuple, Drafter] = OrderedDict()
         self._lock = threading.Lock()
 
     def has(self, preset: str, device: str) -> bool:
@@ -89,8 +100,24 @@ class Runner:
         """A ready Decoding with `drafter`, or the preset's drafter where the method needs one."""
         with engine_errors():
             drafter = drafter or default_drafter(preset, method, self.cache_dir)
+            built = self.drafter(target, method, options, drafter)
             return specflash.stream(target, prompt, method, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    drafter=drafter, options=options, cache_dir=self.cache_dir)
+                                    drafter=built)
+
+    def drafter(self, target: TargetModel, method: str, options: dict[str, Any], drafter: str | None) -> Drafter:
+        """The method's drafter for `target` with these knobs and drafter weights: built once, then
+        kept (the last DRAFTERS_KEPT); each run starts it afresh (Drafter.begin)."""
+        key = (id(target), method, drafter, json.dumps(options, sort_keys=True, default=str))
+        with self._lock:
+            if key in self._drafters:
+                self._drafters.move_to_end(key)
+                return self._drafters[key]
+        built = build_drafter(method, target, options, drafter, cache_dir=self.cache_dir)
+        with self._lock:
+            self._drafters[key] = built
+            while len(self._drafters) > DRAFTERS_KEPT:
+                self._drafters.popitem(last=False)
+        return built
 
     def stream(self, preset: str, device: str, prompt: str, method: str, sampling: SamplingConfig,
                max_new_tokens: int, options: dict[str, Any], drafter: str | None = None,
