@@ -303,10 +303,11 @@ def test_a_gate_starts_from_what_the_last_run_measured_of_the_device():
 
 
 def test_a_stalled_step_prices_its_width_only_until_its_timing_goes_stale(monkeypatch):
-    """One step verifying 4 tokens stalls (0.5 s where it costs 0.05): the curve prices 4 tokens
-    at 10 plain steps, and the gate, drafting narrower since, never times 4 again. Once that timing
-    is `stale_after` steps old, the curve reads 4 tokens from the widths still timed, as it does a
-    width never timed, and the next run does not inherit the stall."""
+    """One step verifying 4 tokens stalls (0.5 s where it costs 0.05), the width's first timing:
+    it counts at most twice what the curve expects (2.5 plain steps, not 12.5), still dear enough
+    that the gate, drafting narrower since, never times 4 again. Once that timing is `stale_after`
+    steps old, the curve reads 4 tokens from the widths still timed, as it does a width never
+    timed, and the next run does not inherit the stall."""
     import specflash.drafters.gate as gate_module
 
     clock = _Clock()
@@ -321,7 +322,7 @@ def test_a_stalled_step_prices_its_width_only_until_its_timing_goes_stale(monkey
     step(1, 0.040)
     step(4, 0.500)
     step(1, 0.040)
-    assert gate.cost[3] == pytest.approx(0.5 / 0.04)
+    assert gate.cost[3] == pytest.approx(2 * 1.25)
     for n in range(gate.stale_after):
         step(1 if n % 4 == 0 else 2, 0.040 if n % 4 == 0 else 0.044)
     step(1, 0.040)  # timed: the steps before it
@@ -329,6 +330,37 @@ def test_a_stalled_step_prices_its_width_only_until_its_timing_goes_stale(monkey
     assert gate.cost == pytest.approx([1.0, 1.1, 1.2 * scale, 1.25 * scale])
     carried = gate.device_timings()
     assert set(carried.seconds) == {1, 2} and DraftGate([1.0, 1.1, 1.2, 1.25], 3, timings=carried).cost == gate.cost
+
+
+def test_one_stall_moves_a_timed_price_a_little_and_a_lasting_slowdown_comes_through(monkeypatch):
+    """Once a width is timed, a step counts at most twice its running price: a 25x stall moves the
+    price of its width by a tenth (smoothing 0.1 x the capped excess), where it had moved it by 2.4
+    times itself; a machine that stays 3x slower still reaches its new price, as the EMA alone would, a few steps later."""
+    import specflash.drafters.gate as gate_module
+
+    clock = _Clock()
+    monkeypatch.setattr(gate_module.time, "perf_counter", clock)
+    gate = DraftGate([1.0, 1.1, 1.2, 1.25], depth=3, probe_every=2)
+
+    def step(rows: int, seconds: float) -> None:
+        gate.step_started()
+        gate.verified(rows - 1, 0, rows)
+        clock.now += seconds
+
+    for rows in (1, 2) * 10:
+        step(rows, 0.040 if rows == 1 else 0.044)
+    step(1, 0.040)
+    assert gate.cost[1] == pytest.approx(1.1)
+    step(2, 25 * 0.044)
+    step(1, 0.040)
+    assert gate.seconds[2] == pytest.approx(1.1 * 0.044)
+    assert gate.cost[1] == pytest.approx(1.21, rel=0.02)
+    for _ in range(40):
+        step(1, 0.120)
+        step(2, 0.132)
+    step(1, 0.120)
+    assert gate.seconds[1] == pytest.approx(0.120, rel=0.05) and gate.seconds[2] == pytest.approx(0.132, rel=0.05)
+    assert gate.step_time == pytest.approx(0.120, rel=0.05)
 
 
 def test_a_drafters_next_run_skips_the_plain_timing_step(tiny_targets):

@@ -55,7 +55,10 @@ timed, then the curve reads that width from the others again. Why: one step slow
 the machine (0.5 s injected into a 20 ms step) priced 8-row verification at 3.7 plain steps, the
 gate never verified 8 rows again to correct it, and, carried over, that held every later request
 of the run to narrower drafts (a dev benchmark run had `dflash` at tau 1.5-1.6 from its fifth
-request on, where its other runs measure 2.3-2.4).
+request on, where its other runs measure 2.3-2.4). And a step counts at most twice what was
+expected of it (its width's running price, or for a first timing what the curve says of it), so
+one stall moves a price by a tenth at most, where a lasting change of the machine still comes
+through, at up to 10% a step.
 
 What drafting costs by width. The drafter's own time d grows with the drafted width where
 each position costs work of its own: DeLS fuses the positions one at a time (about 7.7 ms for the
@@ -86,6 +89,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 _MAX_BACKOFF = 4
+_JUMP = 2.0  # a step's timing counts at most this many times what was expected of it (`_record`)
 
 
 @dataclass(frozen=True)
@@ -286,9 +290,11 @@ class DraftGate:
             verified = min(verified, len(self.prior))
             seconds = max(now - start - drafted_for, 1e-9)
             self.step += 1
-            self._record(self.seconds, self.timed_at, verified, seconds)
+            expected = None if self.step_time is None else self.step_time * self.cost[verified - 1]
+            self._record(self.seconds, self.timed_at, verified, seconds, expected)
             one_step = seconds / self.cost[verified - 1]
-            self.step_time = one_step if self.step_time is None else self._ema(self.step_time, one_step)
+            self.step_time = (one_step if self.step_time is None
+                              else self._ema(self.step_time, min(one_step, _JUMP * self.step_time)))
         self._last = (now, 0.0, 1)
 
     def drafted(self, decision: GateDecision, seconds: float, positions: int | None = None) -> None:
@@ -298,7 +304,7 @@ class DraftGate:
             self._last = (self._last[0], seconds, 1)
         width = decision.width if positions is None else positions
         if width and decision.state != "lookup" and self.calibrate and self.step_time is not None:
-            self._record(self.draft_costs, self.drafted_at, width, seconds / self.step_time)
+            self._record(self.draft_costs, self.drafted_at, width, seconds / self.step_time, None)
         if decision.state in ("probe", "shadow"):
             self.since_probe = 0
         self._pending = decision
@@ -342,11 +348,21 @@ class DraftGate:
         paid = best > 0 and values[best] >= (1.0 if self.drafting else self.switch_on)
         self.backoff = 1 if paid else min(self.backoff * 2, _MAX_BACKOFF)
 
-    def _record(self, values: dict[int, float], timed_at: dict[int, int], n: int, value: float) -> None:
+    def _record(self, values: dict[int, float], timed_at: dict[int, int], n: int, value: float,
+                expected: float | None) -> None:
         """Width n timed at `value` this step: into its EMA, or its first value again where its
-        last timing went stale."""
+        last timing went stale; counted at most `_JUMP` times the EMA, or, for a first value, times
+        `expected` (what the curve says of the width; None: not capped). Why: one step slowed by
+        a stall of the machine (a 25x one, injected, in the tests) otherwise set a width's first
+        price at 25 of its cost, or moved its EMA by 2.4 of it, and the gate, drafting narrower
+        since, did not time it again until that timing went stale; capped, one stall moves a price
+        by at most smoothing x (_JUMP - 1) of it, while a lasting change of the machine still comes
+        through, its EMA following at up to 10% a step."""
         current = n in values and self.age(timed_at, n) <= self.stale_after
-        values[n] = self._ema(values[n], value) if current else value
+        if current:
+            values[n] = self._ema(values[n], min(value, _JUMP * values[n]))
+        else:
+            values[n] = value if expected is None else min(value, _JUMP * expected)
         timed_at[n] = self.step
 
     def _ema(self, old: float, new: float) -> float:
