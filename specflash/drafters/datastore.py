@@ -111,7 +111,7 @@ def vote(windows: np.ndarray, k: int) -> list[int]:
     return out
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=4)  # about 16 bytes a token each; a bench comparing three stores had rebuilt one every request
 def _harvest_store(folder: str, depth: int) -> Datastore:
     root = Path(folder)
     manifests = sorted(root.glob("*/manifest.json")) or sorted(root.glob("manifest.json"))
