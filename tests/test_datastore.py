@@ -14,6 +14,7 @@ from specflash.api import generate
 from specflash.drafters.datastore import Datastore
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError
+from specflash.models.tokenizer_id import tokenizer_fingerprint
 from specflash.training.data import Sample, write_shard
 from test_draft_vocab import vocab_drafter
 from test_lookup_source import _looping
@@ -132,6 +133,40 @@ def test_a_presets_missing_harvests_are_skipped_but_a_named_folder_must_exist(ti
     named = DFlashEngineDrafter(model, DFlashConfig(datastore_folder=str(tmp_path / "gone")), FLAT)
     with pytest.raises(CheckpointError, match="no harvest folders"):
         generate(target, [1, 2, 3], drafter=named, max_new_tokens=4)
+
+
+class _Vocab:
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+
+def test_a_tokenizers_fingerprint_changes_when_one_token_moves():
+    vocab = {"a": 0, "b": 1, "<mask>": 2}
+    same = tokenizer_fingerprint(_Vocab(dict(reversed(list(vocab.items())))))
+    assert tokenizer_fingerprint(_Vocab(vocab)) == same and len(same) == 16
+    assert tokenizer_fingerprint(_Vocab({"a": 1, "b": 0, "<mask>": 2})) != same
+    assert tokenizer_fingerprint(_Vocab({"a": 0, "c": 1, "<mask>": 2})) != same
+
+
+def test_a_datastore_harvested_with_another_tokenizer_is_refused(tiny_targets, tmp_path):
+    """Ids inside the target's vocabulary, but the harvest recorded another tokenizer: refused
+    with both fingerprints named; the target's own fingerprint, or none (folders harvested before
+    it was recorded), drafts as before."""
+    target = tiny_targets["llama"]
+    model = vocab_drafter(target, [3, 4, 5], feature_layers=(1,))
+    for name, recorded in (("other", "0123456789abcdef"), ("own", target.tokenizer_id), ("none", None)):
+        _harvest(tmp_path / name / "harvest-0", [_sample([1, 2], [3, 4], 0)],
+                 **({"tokenizer": recorded} if recorded else {}))
+    drafter = DFlashEngineDrafter(model, DFlashConfig(datastore_folder=str(tmp_path / "other")), FLAT)
+    with pytest.raises(DrafterMismatchError, match=f"another tokenizer.*0123456789abcdef.*{target.tokenizer_id}"):
+        generate(target, [1, 2, 3], drafter=drafter, max_new_tokens=4)
+    for name in ("own", "none"):
+        drafter = DFlashEngineDrafter(model, DFlashConfig(datastore_folder=str(tmp_path / name)), FLAT)
+        run = generate(target, [1, 2, 3], drafter=drafter, max_new_tokens=4)
+        assert run.config["datastore"] is True and run.output_ids == hf_greedy(target, [1, 2, 3], 4)
 
 
 def test_a_datastore_of_another_vocabulary_is_refused(tiny_targets, tmp_path):

@@ -10,7 +10,8 @@ from specflash.errors import SpecFlashError
 from specflash.models import packed_kernel, row_kernels
 from specflash.models.target import TargetModel
 from specflash.training import harvest
-from specflash.training.data import load_shards, load_target
+from specflash.models.tokenizer_id import tokenizer_fingerprint
+from specflash.training.data import load_shards, load_target, read_manifest
 from specflash.training.dflash_features import harvested_features
 from specflash.training.sources import Job
 
@@ -135,6 +136,7 @@ def test_folder_resumes_grows_and_serves_chosen_layers(llama, tmp_path):
     assert harvested_features(shard, (2,), 4) is None  # a layer that was not captured
     with pytest.raises(Exception, match="other settings"):
         harvest.harvest(harvest.parse_args([*argv, "--limit", "10", "--seed", "3"]))
+    assert read_manifest(out)["tokenizer"] == tokenizer_fingerprint(load_target(llama, "cpu", torch.float32)[1])
 
 
 def test_sampled_prompt_answers_vary_and_repeat_from_the_seed(llama, tmp_path):

@@ -38,7 +38,9 @@ _VOTERS = 64  # occurrences a continuation is voted from, at most
 class Datastore:
     """Token sequences indexed by their preceding tokens, up to `depth` of them."""
 
-    def __init__(self, sequences: Sequence[Sequence[int]], depth: int = 8) -> None:
+    def __init__(self, sequences: Sequence[Sequence[int]], depth: int = 8, tokenizers: frozenset[str] = frozenset()) -> None:
+        """`tokenizers`: the fingerprints (models/tokenizer_id.py) its harvests recorded, if any."""
+        self.tokenizers = tokenizers
         parts = [np.asarray(seq, dtype=np.int32) for seq in sequences if len(seq)]
         sep = np.array([_SEP], dtype=np.int32)
         corpus = np.concatenate([x for part in parts for x in (part, sep)]) if parts else sep
@@ -118,9 +120,13 @@ def _harvest_store(folder: str, depth: int) -> Datastore:
     if not manifests:
         raise CheckpointError(f"no harvest folders (with a manifest.json) under {root} for the datastore")
     sequences: list[np.ndarray] = []
+    tokenizers: set[str] = set()
     for manifest in manifests:
-        if json.loads(manifest.read_text()).get("temperature"):
+        settings = json.loads(manifest.read_text())
+        if settings.get("temperature"):
             continue
+        if settings.get("tokenizer"):
+            tokenizers.add(settings["tokenizer"])
         for shard in sorted(manifest.parent.glob("shard-*.safetensors")):
             if shard.name.endswith(".features.safetensors"):
                 continue
@@ -129,4 +135,4 @@ def _harvest_store(folder: str, depth: int) -> Datastore:
             for a, b, prompt in zip(offsets[:-1], offsets[1:], prompt_lens):
                 start = a + prompt
                 sequences.append(tokens[max(a, start - _PROMPT_TAIL) : b])
-    return Datastore(sequences, depth)
+    return Datastore(sequences, depth, frozenset(tokenizers))

@@ -141,6 +141,11 @@ class DFlashEngineDrafter(Drafter):
         if folder is None or (self.cfg.datastore_folder is None and not Path(folder).is_dir()):
             return None  # a preset's harvests left out of a copy of the project: drafting goes on without them
         store = Datastore.from_harvests(folder)
+        other = sorted(store.tokenizers - {target.tokenizer_id}) if target.tokenizer_id else []
+        if other:
+            raise DrafterMismatchError(
+                f"the datastore in {folder} was harvested with another tokenizer (fingerprint {', '.join(other)}; "
+                f"the target's is {target.tokenizer_id}): its token ids mean other words; harvest this target's answers")
         if store.largest_id >= target.vocab_size:
             raise DrafterMismatchError(
                 f"the datastore in {folder} holds token id {store.largest_id}, beyond the target's vocabulary of "

@@ -20,6 +20,7 @@ from ..kv import Checkpoint, checkpoint, keep_rows, new_cache, restore
 from ..tree import DraftTree
 from . import row_kernels
 from .family import MODEL_ERRORS, Family
+from .tokenizer_id import tokenizer_fingerprint
 
 
 def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
@@ -106,6 +107,11 @@ class TargetModel:
     def new_cache(self) -> DynamicCache:
         """An empty cache whose every layer can be rolled back (kv.new_cache)."""
         return new_cache(self.model.config)
+
+    @cached_property
+    def tokenizer_id(self) -> str | None:
+        """The tokenizer's fingerprint (tokenizer_id.py), computed once; None without a tokenizer."""
+        return None if self.tokenizer is None else tokenizer_fingerprint(self.tokenizer)
 
     @cached_property
     def continues_blocks(self) -> bool:

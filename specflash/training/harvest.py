@@ -49,6 +49,7 @@ from . import self_prompts as self_prompt_source
 from . import sources, task_sources
 from ..models import packed_kernel, row_kernels
 from ..models.acquire import default_cache_dir
+from ..models.tokenizer_id import tokenizer_fingerprint
 from .data import Sample, _eos_ids, _start_manifest, append_shard, encode_prompt, load_target
 from .entry import run_script
 from .sources import Job
@@ -306,6 +307,7 @@ def harvest(args: argparse.Namespace) -> dict:
         return report
     if model is None:
         model, tokenizer = load_harvest_target(args)
+    manifest["tokenizer"] = tokenizer_fingerprint(tokenizer)  # what the datastore checks its ids against
     bad = [i for i in args.layers if not 0 <= i < model.config.num_hidden_layers]
     if bad:
         raise SpecFlashError(f"--layers {bad} out of range: the target has {model.config.num_hidden_layers} layers")
