@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -302,12 +304,9 @@ def test_a_gate_starts_from_what_the_last_run_measured_of_the_device():
     assert fixed.device_timings() is None and fixed.seconds == {} and fixed.drafting_cost(3) == 0.1
 
 
-def test_a_stalled_step_prices_its_width_only_until_its_timing_goes_stale(monkeypatch):
-    """One step verifying 4 tokens stalls (0.5 s where it costs 0.05), the width's first timing:
-    it counts at most twice what the curve expects (2.5 plain steps, not 12.5), still dear enough
-    that the gate, drafting narrower since, never times 4 again. Once that timing is `stale_after`
-    steps old, the curve reads 4 tokens from the widths still timed, as it does a width never
-    timed, and the next run does not inherit the stall."""
+def _gate_on_a_clock(monkeypatch) -> tuple[DraftGate, Callable[[int, float], None]]:
+    """A calibrating gate on a fake clock, and `step(rows, seconds)`: one step that verified
+    `rows` rows and took `seconds`."""
     import specflash.drafters.gate as gate_module
 
     clock = _Clock()
@@ -319,6 +318,16 @@ def test_a_stalled_step_prices_its_width_only_until_its_timing_goes_stale(monkey
         gate.verified(rows - 1, 0, rows)
         clock.now += seconds
 
+    return gate, step
+
+
+def test_a_stalled_step_prices_its_width_only_until_its_timing_goes_stale(monkeypatch):
+    """One step verifying 4 tokens stalls (0.5 s where it costs 0.05), the width's first timing:
+    it counts at most twice what the curve expects (2.5 plain steps, not 12.5), still dear enough
+    that the gate, drafting narrower since, never times 4 again. Once that timing is `stale_after`
+    steps old, the curve reads 4 tokens from the widths still timed, as it does a width never
+    timed, and the next run does not inherit the stall."""
+    gate, step = _gate_on_a_clock(monkeypatch)
     step(1, 0.040)
     step(4, 0.500)
     step(1, 0.040)
@@ -335,18 +344,9 @@ def test_a_stalled_step_prices_its_width_only_until_its_timing_goes_stale(monkey
 def test_one_stall_moves_a_timed_price_a_little_and_a_lasting_slowdown_comes_through(monkeypatch):
     """Once a width is timed, a step counts at most twice its running price: a 25x stall moves the
     price of its width by a tenth (smoothing 0.1 x the capped excess), where it had moved it by 2.4
-    times itself; a machine that stays 3x slower still reaches its new price, as the EMA alone would, a few steps later."""
-    import specflash.drafters.gate as gate_module
-
-    clock = _Clock()
-    monkeypatch.setattr(gate_module.time, "perf_counter", clock)
-    gate = DraftGate([1.0, 1.1, 1.2, 1.25], depth=3, probe_every=2)
-
-    def step(rows: int, seconds: float) -> None:
-        gate.step_started()
-        gate.verified(rows - 1, 0, rows)
-        clock.now += seconds
-
+    times itself; a machine that stays 3x slower still reaches its new price, as the EMA alone
+    would, a few steps later."""
+    gate, step = _gate_on_a_clock(monkeypatch)
     for rows in (1, 2) * 10:
         step(rows, 0.040 if rows == 1 else 0.044)
     step(1, 0.040)
