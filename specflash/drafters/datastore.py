@@ -38,7 +38,8 @@ _VOTERS = 64  # occurrences a continuation is voted from, at most
 class Datastore:
     """Token sequences indexed by their preceding tokens, up to `depth` of them."""
 
-    def __init__(self, sequences: Sequence[Sequence[int]], depth: int = 8, tokenizers: frozenset[str] = frozenset()) -> None:
+    def __init__(self, sequences: Sequence[Sequence[int]], depth: int = 8,
+                 tokenizers: frozenset[str] = frozenset()) -> None:
         """`tokenizers`: the fingerprints (models/tokenizer_id.py) its harvests recorded, if any."""
         self.tokenizers = tokenizers
         parts = [np.asarray(seq, dtype=np.int32) for seq in sequences if len(seq)]

@@ -145,7 +145,8 @@ class DFlashEngineDrafter(Drafter):
         if other:
             raise DrafterMismatchError(
                 f"the datastore in {folder} was harvested with another tokenizer (fingerprint {', '.join(other)}; "
-                f"the target's is {target.tokenizer_id}): its token ids mean other words; harvest this target's answers")
+                f"the target's is {target.tokenizer_id}): its token ids mean other words; "
+                "harvest this target's answers")
         if store.largest_id >= target.vocab_size:
             raise DrafterMismatchError(
                 f"the datastore in {folder} holds token id {store.largest_id}, beyond the target's vocabulary of "

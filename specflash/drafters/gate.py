@@ -304,7 +304,7 @@ class DraftGate:
             self._last = (self._last[0], seconds, 1)
         width = decision.width if positions is None else positions
         if width and decision.state != "lookup" and self.calibrate and self.step_time is not None:
-            self._record(self.draft_costs, self.drafted_at, width, seconds / self.step_time, None)
+            self._record(self.draft_costs, self.drafted_at, width, seconds / self.step_time)
         if decision.state in ("probe", "shadow"):
             self.since_probe = 0
         self._pending = decision
@@ -349,7 +349,7 @@ class DraftGate:
         self.backoff = 1 if paid else min(self.backoff * 2, _MAX_BACKOFF)
 
     def _record(self, values: dict[int, float], timed_at: dict[int, int], n: int, value: float,
-                expected: float | None) -> None:
+                expected: float | None = None) -> None:
         """Width n timed at `value` this step: into its EMA, or its first value again where its
         last timing went stale; counted at most `_JUMP` times the EMA, or, for a first value, times
         `expected` (what the curve says of the width; None: not capped). Why: one step slowed by
