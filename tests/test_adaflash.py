@@ -158,6 +158,23 @@ def test_head_rule_cuts_where_the_head_says(tiny_targets, bias, expected):
     assert 0.0 <= first.extras["adaflash"]["score"] <= 1.0
 
 
+@pytest.mark.parametrize("rule,estimate,reads", [("cost", "confidence", False), ("fixed", "confidence", False),
+                                                 ("head", "confidence", True), ("cost", "head", True)])
+def test_the_length_head_runs_only_where_the_rule_reads_it(tiny_targets, rule, estimate, reads):
+    target = tiny_targets["qwen3"]
+    head = random_head(target.hidden_size)
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    drafter = AdaFlashDrafter(random_drafter(target, block=8, feature_layers=(1,)),
+                              AdaFlashConfig(gate=False, rule=rule, estimate=estimate, min_len=1), STEEP[:8], head=head)
+    ids = target.tokenizer("def add(a, b):").input_ids
+    run = generate(target, ids, drafter=drafter, max_new_tokens=12, stop_on_eos=False)
+    assert run.output_ids == hf_greedy(target, ids, 12)
+    drafted = [s for s in run.steps if "adaflash" in s.extras]
+    assert len(calls) == (len(drafted) if reads else 0)
+    assert all((s.extras["adaflash"]["score"] is not None) == reads for s in drafted)
+
+
 def test_length_head_checkpoint_round_trip(tiny_targets, tmp_path):
     target = tiny_targets["llama"]
     model = random_drafter(target, block=8, feature_layers=(1,))

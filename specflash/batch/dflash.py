@@ -167,7 +167,7 @@ class BatchAdaFlash(BatchDFlash):
         if max(ks) <= 0:
             return [Draft.empty() for _ in roots]
         hidden, probs = self.block_probs(roots, root_pos, ks)  # [B, L, H], [B, K, V]
-        scores = self.head(hidden).tolist() if self.head is not None else [None] * len(roots)  # r [B]
+        scores = self.head(hidden).tolist() if self.cfg.needs_head else [None] * len(roots)  # r [B] where read
         keeps = self._cuts([probs[b, :k] for b, k in enumerate(ks)], scores)
         verify = max(keeps)  # T - 1: every row verifies this many, or all it drafted if fewer
         best = probs.max(dim=-1)
