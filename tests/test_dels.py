@@ -15,6 +15,7 @@ from specflash.config import SamplingConfig
 from specflash.drafters.dels import DeLSConfig, DeLSDrafter, Fusion, fuse_block, fused_tree
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError, SpecFlashError
+from specflash.models import row_kernels
 from specflash.models.local_head import LocalHeadSpec, build_local_head, load_local_head, save_local_head
 from specflash.training.data import Sample
 from specflash.training.local_head import anchored_blocks, block_loss, unigram_log_prior
@@ -33,18 +34,23 @@ def random_head(target, seed=0, hidden=32, std=0.3):
     return head.eval()
 
 
-@pytest.mark.parametrize("table", [False, True])
-def test_one_token_steps_are_the_heads_forward(tiny_targets, table):
+@pytest.mark.parametrize("table,packed", [(False, False), (True, False), (True, True)])
+def test_one_token_steps_are_the_heads_forward(tiny_targets, request, table, packed):
     """Drafting steps the head one token at a time (models/local_head.py TokenStep: input products
-    and readout rows from tables for a token set, the GRU cell written out); token by token it must
-    give the logits and state the module's forward gives over the whole sequence, tokens in the
-    table or not, and a readout over a few tokens their entries of the full logits."""
+    and readout rows from tables for a token set, the GRU cell written out, its recurrent product
+    on the packed kernel where the head's row plan says so); token by token it must give the
+    logits and state the module's forward gives over the whole sequence, tokens in the table or
+    not, and a readout over a few tokens their entries of the full logits."""
     target = tiny_targets["qwen3"]
     head = random_head(target, seed=3)
+    if packed:
+        request.getfixturevalue("packed_built")
+        head.row_plan = row_kernels.PACKED_EVERYWHERE
     ids = [5, 17, 3, 17, 40, 9]
     tokens = torch.tensor([3, 9, 17, 60]) if table else None  # 5 and 40 are outside it
     step = head.token_step(tokens)
     assert (step.table is not None) == table and head.token_step(tokens) is step
+    assert (step.w_hh_panels is not None) == packed
     with torch.no_grad():
         expected, _ = head(torch.tensor([ids]))
         state, got = None, []
@@ -256,7 +262,7 @@ def test_config_validation():
             DeLSConfig(candidates=bad)
 
 
-def test_local_head_round_trip_and_errors(tiny_targets, tmp_path):
+def test_local_head_round_trip_and_errors(tiny_targets, tmp_path, monkeypatch):
     target = tiny_targets["qwen3"]
     head = random_head(target)
     save_local_head(head, tmp_path / "head", dtype=torch.float32)
@@ -264,6 +270,8 @@ def test_local_head_round_trip_and_errors(tiny_targets, tmp_path):
     ids = torch.tensor([[5, 6, 7]])
     assert torch.allclose(head(ids)[0], again(ids)[0])
     assert torch.equal(head.log_prior, again.log_prior)
+    monkeypatch.setattr(target, "row_plan", row_kernels.PACKED_EVERYWHERE)  # the target's kernels, for drafting
+    assert load_local_head(tmp_path / "head", target).row_plan == row_kernels.PACKED_EVERYWHERE
     with pytest.raises(DrafterMismatchError):
         load_local_head(tmp_path / "head", tiny_targets["random-drafter"])  # other hidden size
     (tmp_path / "head" / "model.safetensors").unlink()

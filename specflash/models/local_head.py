@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError, DrafterMismatchError
+from . import row_kernels
 
 _ARCH = "DeLSLocalHead"
 
@@ -38,7 +39,11 @@ class LocalHeadSpec:
 
 class LocalHead(nn.Module):
     """GRU over block tokens -> logits of the next token. Borrowed embedding and LM head are kept
-    out of parameters() and state_dict(), like the DFlash drafter's."""
+    out of parameters() and state_dict(), like the DFlash drafter's. `row_plan`: the target's
+    measured few-row kernels (models/row_kernels.py), which drafting's one-token steps take
+    (`load_local_head` sets it)."""
+
+    row_plan: row_kernels.RowPlan = row_kernels.STOCK
 
     def __init__(self, spec: LocalHeadSpec, embed: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
@@ -52,7 +57,8 @@ class LocalHead(nn.Module):
         """The head one token at a time, with the GRU's input products of `tokens` (target ids,
         e.g. a drafter's draft vocabulary) computed once; kept while the weights and tokens stay."""
         weight = self.gru.weight_ih_l0
-        key = (weight.data_ptr(), weight.dtype, weight.device, None if tokens is None else (tokens.data_ptr(), len(tokens)))
+        key = (weight.data_ptr(), weight.dtype, weight.device, id(self.row_plan),
+               None if tokens is None else (tokens.data_ptr(), len(tokens)))
         if getattr(self, "_token_step", (None,))[0] != key:
             self._token_step = (key, TokenStep(self, tokens))
         return self._token_step[1]
@@ -110,12 +116,17 @@ class TokenStep:
     The readout is a table too: the LM head's rows for the token set times the projection,
     (W_lm P) [n, G] (16 MB for 8192 tokens, G = 512), so a node's logits over a few of those
     tokens are one small product with its state, where proj then the rows read P (1.2 MB) and
-    cast twice for every node."""
+    cast twice for every node.
+
+    The recurrent product W_hh h (3G x G, 3 MB in float32) is the largest single cost left; where
+    the head's row plan uses the packed kernel, it streams a packed copy of W_hh (on the 2-core
+    AVX-512 CPU, two threads: 18 against 39 µs a product)."""
 
     @torch.inference_mode()
     def __init__(self, head: LocalHead, tokens: torch.Tensor | None) -> None:
         self.head = head
         self.w_ih, self.w_hh = head.gru.weight_ih_l0, head.gru.weight_hh_l0
+        self.plan, self.w_hh_panels = head.row_plan, row_kernels.panels_for(self.w_hh, head.row_plan)
         self.rows: dict[int, int] = {}
         self.table = self.reads = self.read_bias = None
         if tokens is not None:
@@ -157,7 +168,7 @@ class TokenStep:
             z, n = torch.sigmoid(i_z), torch.tanh(i_n)
             state = n - z * n
         else:
-            h_r, h_z, h_n = nn.functional.linear(state, self.w_hh).chunk(3)
+            h_r, h_z, h_n = row_kernels.linear(state[None], self.w_hh, None, self.plan, self.w_hh_panels)[0].chunk(3)
             z, n = torch.sigmoid(i_z + h_z), torch.tanh(i_n + torch.sigmoid(i_r + h_r) * h_n)
             state = n + z * (state - n)
         return (readout or (lambda s: self.head.read_out(s, None)))(state), state
@@ -209,4 +220,5 @@ def load_local_head(folder: Path | str, target) -> LocalHead:
             f"unexpected {sorted(set(tensors) - expected)}"
         )
     head.load_state_dict({k: v.to(target.dtype) if k != "log_prior" else v for k, v in tensors.items()})
+    head.row_plan = getattr(target, "row_plan", row_kernels.STOCK)
     return head.eval()
