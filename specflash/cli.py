@@ -1,4 +1,4 @@
-"""Command line: `python -m specflash methods|generate|bench|fetch-models`.
+"""Command line: `python -m specflash methods|generate|bench|compare|fetch-models`.
 
 Bad input ends with one line on stderr and exit status 2; the JSON of `generate --json` is the
 RunRecord plus `text` and `stats`, so scripts and tests read exactly what the app reads.
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .bench import add_bench_args, run_bench
+from .bench_compare import add_compare_args, run_compare
 from .cli_args import add_model_args, parse_options, torch_dtype
 from .errors import SpecFlashError
 from .models.presets import default_drafter
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the RunRecord with text and stats as JSON")
 
     add_bench_args(sub.add_parser("bench", help="side-by-side benchmark of methods on held-out prompts"))
+    add_compare_args(sub.add_parser("compare", help="how sure a benchmark is that one method beats another: "
+                                                    "paired ratios with bootstrap intervals over prompts"))
 
     fetch = sub.add_parser("fetch-models", help="fetch and convert the default model into the cache")
     fetch.add_argument("--cache-dir", type=Path, default=None)
@@ -106,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "compare":
+            return run_compare(args)
         if args.command == "fetch-models":
             from .models.acquire import fetch_default_model
 
