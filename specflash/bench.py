@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from .bench_compare import CompareError, compare_all, format_comparisons, parse_pairs
 from .cli_args import add_model_args, parse_options, torch_dtype
 from .config import SamplingConfig
 from .models.presets import default_drafter, portable_path, preset_datastore, weights_fingerprint
@@ -52,6 +53,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (on a small shared CPU, 1 is often several times faster than 2)")
     p.add_argument("--batch-sizes", default=None, metavar="1,4,16,32",
                    help="sweep batch sizes instead: every method decodes the same batch; throughput across the batch")
+    p.add_argument("--compare", default=None, metavar="A:B,...",
+                   help="after the tables, each pair A against B with 95%% intervals over prompts (bench_compare.py; "
+                        "a labelled variant as dflash/m12); also in the JSON")
 
 
 @dataclass
@@ -215,6 +219,11 @@ def run_bench(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in (args.methods or "ar,pld,hf-pld").split(",") if m.strip()]
     if "ar" not in methods:
         methods.insert(0, "ar")
+    pairs = parse_pairs(args.compare) if args.compare else []
+    unknown = [m for pair in pairs for m in pair if m not in methods]
+    if unknown:
+        raise CompareError(f"--compare names {', '.join(dict.fromkeys(unknown))}, which this run does not bench "
+                           f"({', '.join(methods)})")
     target = load(args.model, device=args.device, dtype=torch_dtype(args.dtype), cache_dir=args.cache_dir)
     variants = label_variants(methods, _method_options(args.option))
     drafter = args.drafter or default_drafter(args.model, "draft", args.cache_dir)
@@ -254,12 +263,17 @@ def run_bench(args: argparse.Namespace) -> int:
     print(format_table(rows, device))
     for domain, drows in per_domain.items():
         print(f"\n[{domain}]\n" + format_table(drows, device))
+    comparisons = compare_all([s.__dict__ for s in samples], pairs) if pairs else []
+    if comparisons:
+        print("\n" + format_comparisons(comparisons))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "device": device, "model": args.model, "prompt_set": args.prompts, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "options": {name: options for name, (_, options) in variants.items() if options},
         "weights": {name: w for name, w in weights.items() if w}, "date": time.strftime("%Y-%m-%d"),
-        "started": started, "rows": rows, "per_domain": per_domain, "samples": [s.__dict__ for s in samples],
+        "started": started, "rows": rows, "per_domain": per_domain,
+        **({"comparisons": [c.to_dict() for c in comparisons]} if comparisons else {}),
+        "samples": [s.__dict__ for s in samples],
         "note": "speedup = median over (prompt, repeat) of ar wall time / method wall time, both end to end",
     }, indent=1))
     print(f"\nwrote {args.out}")

@@ -59,8 +59,9 @@ def test_bench_runs_labelled_variants_with_their_own_knobs(tiny_targets, tiny_di
     code = main(["bench", "--model", str(tiny_dirs["qwen3"]), "--methods", "ar,dflash,dflash:short",
                  "-o", "dflash.gate=false", "-o", "dflash:short.max_draft=1", "--domains", "code",
                  "--prompts-per-domain", "1", "--max-new-tokens", "6", "--repeats", "1", "--drafter", str(folder),
-                 "--out", str(out)])
-    assert code == 0 and "dflash:short" in capsys.readouterr().out
+                 "--compare", "dflash/short:dflash", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "dflash:short" in printed and "dflash:short vs dflash" in printed
     data = json.loads(out.read_text())
     assert data["prompt_set"] == "heldout"
     assert data["options"] == {"dflash": {"gate": False}, "dflash:short": {"gate": False, "max_draft": 1}}
@@ -68,6 +69,12 @@ def test_bench_runs_labelled_variants_with_their_own_knobs(tiny_targets, tiny_di
     assert all(r["identical_to_ar"] for r in rows.values())
     # max_draft=1 reached the variant's drafter: it verifies 2 tokens a step where dflash verifies 4
     assert rows["dflash:short"]["verified_per_committed"] < rows["dflash"]["verified_per_committed"]
+    compared = data["comparisons"][0]  # over every prompt, then the one domain
+    assert (compared["a"], compared["b"], compared["domain"], compared["prompts"]) == ("dflash:short", "dflash", "all", 1)
+    assert main(["bench", "--model", str(tiny_dirs["qwen3"]), "--methods", "ar,dflash", "--compare", "dels:dflash",
+                 "--out", str(tmp_path / "never.json")]) == 2
+    assert "--compare names dels, which this run does not bench" in capsys.readouterr().err
+    assert not (tmp_path / "never.json").exists()
 
 
 def test_bench_builds_each_drafter_once_outside_the_timed_samples(tiny_targets, tiny_dirs, tmp_path, monkeypatch):
