@@ -263,7 +263,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(format_table(rows, device))
     for domain, drows in per_domain.items():
         print(f"\n[{domain}]\n" + format_table(drows, device))
-    comparisons = compare_all([s.__dict__ for s in samples], pairs) if pairs else []
+    ran = [(a, b) for a, b in pairs if a in runners and b in runners]  # a skipped row (hf-assisted) has no samples
+    comparisons = compare_all([s.__dict__ for s in samples], ran) if ran else []
     if comparisons:
         print("\n" + format_comparisons(comparisons))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -142,3 +142,18 @@ def test_the_json_names_the_weights_each_method_ran(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "x.safetensors").write_bytes(b"1")
     assert first is not None and weights_fingerprint(tmp_path) != first
+
+
+def test_a_pair_with_a_skipped_row_is_left_out_and_the_run_still_written(tiny_dirs, tmp_path, capsys):
+    import json
+
+    from specflash.cli import main
+
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(tiny_dirs["qwen3"]), "--methods", "ar,hf-assisted,pld", "--domains", "code",
+                 "--prompts-per-domain", "1", "--max-new-tokens", "4", "--repeats", "1",
+                 "--compare", "hf-assisted:ar,pld:ar", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "skipping hf-assisted" in printed
+    compared = json.loads(out.read_text())["comparisons"]
+    assert {(c["a"], c["b"]) for c in compared} == {("pld", "ar")}
