@@ -264,7 +264,8 @@ def run_bench(args: argparse.Namespace) -> int:
     for domain, drows in per_domain.items():
         print(f"\n[{domain}]\n" + format_table(drows, device))
     ran = [(a, b) for a, b in pairs if a in runners and b in runners]  # a skipped row (hf-assisted) has no samples
-    comparisons = compare_all([s.__dict__ for s in samples], ran) if ran else []
+    records = [s.__dict__ for s in samples]  # what the JSON holds, and what comparisons read
+    comparisons = compare_all(records, ran) if ran else []
     if comparisons:
         print("\n" + format_comparisons(comparisons))
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -274,7 +275,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "weights": {name: w for name, w in weights.items() if w}, "date": time.strftime("%Y-%m-%d"),
         "started": started, "rows": rows, "per_domain": per_domain,
         **({"comparisons": [c.to_dict() for c in comparisons]} if comparisons else {}),
-        "samples": [s.__dict__ for s in samples],
+        "samples": records,
         "note": "speedup = median over (prompt, repeat) of ar wall time / method wall time, both end to end",
     }, indent=1))
     print(f"\nwrote {args.out}")
