@@ -26,6 +26,7 @@ import torch
 from .bench_compare import CompareError, compare_all, format_comparisons, parse_pairs
 from .cli_args import add_model_args, parse_options, torch_dtype
 from .config import SamplingConfig
+from .metrics import pooled_acceptance
 from .models.presets import default_drafter, portable_path, preset_datastore, weights_fingerprint
 
 HF_ROWS = ("hf-assisted", "hf-pld")
@@ -168,13 +169,14 @@ def summarize_samples(samples: list[Sample], methods: list[str]) -> list[dict[st
         same = [s.output_ids == base[(s.prompt_id, s.repeat)].output_ids for s in mine if (s.prompt_id, s.repeat) in base]
         with_metrics = [s.metrics for s in mine if s.metrics]
         steps = sum(m["decode_steps"] for m in with_metrics)
-        committed = sum(m["mean_acceptance_length"] * m["decode_steps"] for m in with_metrics)
+        tau = pooled_acceptance(with_metrics)
+        committed = (tau or 0.0) * steps
         verified = sum(m["verified_per_committed"] * m["mean_acceptance_length"] * m["decode_steps"] for m in with_metrics)
         looked_up = sum(m.get("lookup_steps", 0) for m in with_metrics)
         rows.append({
             "method": method,
             "tokens_per_s": median(s.new_tokens / s.wall for s in mine),
-            "mean_acceptance_length": committed / steps if steps else None,
+            "mean_acceptance_length": tau,
             "verified_per_committed": verified / committed if committed else None,
             "lookup_step_share": looked_up / steps if looked_up else None,
             "speedup": median(ratios) if ratios else None,

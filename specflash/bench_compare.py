@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .errors import SpecFlashError
+from .metrics import pooled_acceptance
 
 ALL = "all"  # the domain key of a comparison over every prompt
 
@@ -74,22 +75,11 @@ def _pairs_by_prompt(samples: Sequence[Mapping[str, Any]], a: str, b: str,
     return pairs
 
 
-def _tau(samples: Sequence[Mapping[str, Any]]) -> float | None:
-    """Pooled acceptance length: committed tokens over decode steps, as `bench` reports it."""
-    steps = committed = 0.0
-    for s in samples:
-        metrics = s.get("metrics") or {}
-        if not metrics.get("decode_steps"):
-            continue
-        steps += metrics["decode_steps"]
-        committed += metrics["mean_acceptance_length"] * metrics["decode_steps"]
-    return committed / steps if steps else None
-
-
 def _statistics(groups: Sequence[list[tuple[Mapping[str, Any], Mapping[str, Any]]]]) -> tuple[float, float | None]:
     pairs = [pair for group in groups for pair in group]
     speed = median(other["wall"] / mine["wall"] for mine, other in pairs)
-    tau_a, tau_b = _tau([mine for mine, _ in pairs]), _tau([other for _, other in pairs])
+    tau_a = pooled_acceptance(mine.get("metrics") for mine, _ in pairs)
+    tau_b = pooled_acceptance(other.get("metrics") for _, other in pairs)
     return speed, None if tau_a is None or tau_b is None else tau_a - tau_b
 
 

@@ -9,7 +9,7 @@ Only decode steps count; the prefill forward is timed on its own.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from .trace import RunRecord, StepRecord
 
@@ -24,6 +24,18 @@ def _depth(step: StepRecord) -> int:
     for parent in step.parents:
         depth.append(1 if parent < 0 else depth[parent] + 1)
     return max(depth, default=0)
+
+
+def pooled_acceptance(metrics: Iterable[Mapping[str, Any] | None]) -> float | None:
+    """Mean acceptance length over several runs, pooled by their decode steps (a run of many short
+    steps weighs what its steps weigh, not one vote), from each run's `summarize` figures; runs
+    without decode steps count nothing. None when none has any."""
+    steps = committed = 0.0
+    for m in metrics:
+        if m and m.get("decode_steps"):
+            steps += m["decode_steps"]
+            committed += m["mean_acceptance_length"] * m["decode_steps"]
+    return committed / steps if steps else None
 
 
 def per_position_acceptance(steps: Iterable[StepRecord]) -> list[float]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specflash.config import SamplingConfig
-from specflash.metrics import acceptance_histogram, per_position_acceptance, summarize
+from specflash.metrics import acceptance_histogram, per_position_acceptance, pooled_acceptance, summarize
 from specflash.sampling import probabilities
 from specflash.trace import RunRecord, StepRecord
 
@@ -53,6 +53,14 @@ def test_metrics_definitions():
     steps = _run().steps[1:]
     assert per_position_acceptance(steps) == [2 / 3, 2 / 3, 0 / 2]
     assert acceptance_histogram(steps) == {1: 1, 3: 2}
+
+
+def test_pooled_acceptance_weighs_runs_by_their_steps():
+    one = summarize(_run())  # 7 tokens in 3 steps
+    other = {"decode_steps": 1, "mean_acceptance_length": 1.0}
+    assert pooled_acceptance([one, other]) == (7 + 1) / (3 + 1)  # not the mean of 7/3 and 1
+    assert pooled_acceptance([one, None, {"decode_steps": 0, "mean_acceptance_length": 0.0}]) == 7 / 3
+    assert pooled_acceptance([None]) is None
 
 
 def test_run_record_json_round_trip():
