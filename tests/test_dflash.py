@@ -14,7 +14,7 @@ from specflash.config import SamplingConfig
 from specflash.drafters.adaflash import AdaFlashConfig
 from specflash.drafters.dels import DeLSConfig
 from specflash.drafters.dflash2 import DFlash2Config
-from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, build, candidate_tree
+from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter, build, candidate_tree, drafter_folder
 from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError
 from specflash.models.dflash import (
     DFlashCache,
@@ -420,8 +420,17 @@ def test_missing_and_corrupt_files(saved):
         load_drafter(folder, target)
     with pytest.raises(CheckpointError):
         build(target, DFlashConfig(), str(folder / "nowhere"))
+    for name in ("runs/s1//export", "~/no-such-drafter-here", "a/b/c"):  # neither a folder nor a repo id
+        with pytest.raises(CheckpointError, match="not found"):
+            drafter_folder(name)
     with pytest.raises(MethodConfigError):
         build(target, DFlashConfig(), None)
+
+
+def test_a_drafter_folder_under_home_is_found_with_its_tilde(saved, monkeypatch):
+    _, _, folder = saved
+    monkeypatch.setenv("HOME", str(folder.parent))
+    assert drafter_folder(f"~/{folder.name}") == folder
 
 
 @pytest.mark.parametrize("key,value,match", [

@@ -394,14 +394,19 @@ CONFIG = DFlashConfig
 
 
 def drafter_folder(drafter: str) -> Path:
-    """A local folder, or a hub id found in the local Hugging Face cache (no download)."""
-    path = Path(drafter)
+    """A local folder (`~` expanded, as where no shell did it: a comma-separated list, the app's
+    text box), or a hub id found in the local Hugging Face cache (no download). A name that is
+    neither gets the same error as a missing folder, not huggingface_hub's complaint about repo ids."""
+    path = Path(drafter).expanduser()
     if path.is_dir():
         return path
-    if not path.exists() and "/" in drafter and not drafter.startswith((".", "/")):
+    if not path.exists() and "/" in drafter and not drafter.startswith((".", "/", "~")):
         from huggingface_hub import try_to_load_from_cache
 
-        config = try_to_load_from_cache(drafter, "config.json")
+        try:
+            config = try_to_load_from_cache(drafter, "config.json")
+        except ValueError:  # not a repo id either (huggingface_hub's HFValidationError)
+            config = None
         if isinstance(config, str):
             return Path(config).parent
     raise CheckpointError(
