@@ -22,7 +22,7 @@ import specflash
 from specflash.bench import PROMPT_SETS, bench_prompts
 from specflash.metrics import per_position_acceptance
 from specflash.models.dflash_io import DRAFTER_DTYPE_CHOICES
-from specflash.models.presets import default_drafter
+from specflash.models.presets import default_drafter, portable_path
 from specflash.prompts import DOMAINS
 
 
@@ -76,8 +76,9 @@ def main() -> None:
         print(f"alpha {alpha:<4} beta {beta:<4} candidates {candidates} mean {r['mean']:.3f}  {cells}  "
               f"flipped {r['flipped_rate']:.2f}  draft {r['draft_ms']:.2f} ms  per-position {pos}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "drafter": drafter, "rows": rows,
-                                    "max_new_tokens": args.max_new_tokens, "local_head": args.local_head,
+    args.out.write_text(json.dumps({"model": args.model, "drafter": portable_path(drafter), "rows": rows,
+                                    "max_new_tokens": args.max_new_tokens,
+                                    "local_head": args.local_head and portable_path(args.local_head),
                                     "draft_dtype": args.draft_dtype,
                                     "prompt_set": args.prompts, "prompts": [pid for _, pid, _ in prompts]}, indent=1))
     print(f"wrote {args.out}")
