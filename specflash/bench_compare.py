@@ -98,7 +98,12 @@ def compare(samples: Sequence[Mapping[str, Any]], a: str, b: str, domain: str = 
     by_prompt = _pairs_by_prompt(samples, a, b, domain)
     if not by_prompt:
         raise CompareError(f"{a} and {b} share no (prompt, repeat) round" + ("" if domain == ALL else f" on {domain}"))
-    groups = list(by_prompt.values())
+    return _compare_groups(a, b, domain, list(by_prompt.values()), resamples, level, seed)
+
+
+def _compare_groups(a: str, b: str, domain: str, groups: list[list[tuple[Mapping[str, Any], Mapping[str, Any]]]],
+                    resamples: int, level: float, seed: int) -> PairedComparison:
+    """compare() once the pairs are grouped by prompt (at least one group)."""
     speed, tau = _statistics(groups)
     rng = np.random.default_rng(seed)
     draws = [_statistics([groups[i] for i in rng.integers(0, len(groups), len(groups))]) for _ in range(resamples)]
@@ -135,8 +140,9 @@ def compare_all(samples: Sequence[Mapping[str, Any]], pairs: Sequence[tuple[str,
     for a, b in pairs:
         out.append(compare(samples, a, b, ALL, resamples, level, seed))
         for domain in domains:
-            if _pairs_by_prompt(samples, a, b, domain):
-                out.append(compare(samples, a, b, domain, resamples, level, seed))
+            by_prompt = _pairs_by_prompt(samples, a, b, domain)
+            if by_prompt:
+                out.append(_compare_groups(a, b, domain, list(by_prompt.values()), resamples, level, seed))
     return out
 
 
