@@ -142,13 +142,20 @@ def test_fusion_over_a_draft_vocabulary_equals_the_full_one(tiny_targets):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_dels_with_a_draft_vocabulary_drafts_inside_it_and_equals_greedy(tiny_targets, arch):
+@pytest.mark.parametrize("native", [False, True])
+def test_dels_with_a_draft_vocabulary_drafts_inside_it_and_equals_greedy(tiny_targets, request, arch, native):
+    """Either way a node is fused: PyTorch's ops, or the native fused node (the packed library)."""
     from test_draft_vocab import spread_ids, vocab_drafter
 
+    if native:
+        request.getfixturevalue("packed_built")
     target = tiny_targets[arch]
     ids = spread_ids(target, 60)
     drafter = DeLSDrafter(vocab_drafter(target, ids, feature_layers=(1, 0)), DeLSConfig(gate=False, alpha=0.7, beta=0.3),
                           random_head(target))
+    step = drafter.head.token_step(drafter.model.draft_ids)
+    step.native = step.native and native
+    assert step.native == native
     for prompt in PROMPTS:
         prompt_ids = target.tokenizer(prompt).input_ids
         run = generate(target, prompt_ids, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
@@ -366,3 +373,65 @@ def test_local_head_holds_out_shards_and_scores_them(tiny_dirs, tiny_targets, tm
     assert scored == {str(tmp_path / "head"): pytest.approx(expected, rel=1e-5)}  # same blocks, same head
     with pytest.raises(SpecFlashError, match="block size"):
         train(parse_args([*again, "--out", str(tmp_path / "run3"), "--block-size", "6"]))
+
+
+def reference_fused_node(gi, state, w_hh, reads, bias, scores, alpha):
+    """PyTorch's GRU cell (no biases), the readout and the fusion, op by op."""
+    i_r, i_z, i_n = gi.chunk(3)
+    h_r, h_z, h_n = (w_hh @ state if state is not None else torch.zeros_like(gi)).chunk(3)
+    z, n = torch.sigmoid(i_z + h_z), torch.tanh(i_n + torch.sigmoid(i_r + h_r) * h_n)
+    new = n + z * ((state if state is not None else torch.zeros_like(n)) - n)
+    short = reads @ new + (0 if bias is None else bias)
+    return new, short, scores + alpha * short
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_native_fused_node_is_the_cell_readout_and_fusion(packed_built, with_state, with_bias):
+    """fused_node.cpp against the op-by-op computation: a hidden size and pool that are no
+    multiple of the vector width, state or none, bias or none; its argmax is the first maximal
+    position and its top ones are ordered by probability, then position, on exact ties."""
+    from specflash.models import packed_kernel
+
+    g = torch.Generator().manual_seed(11)
+    G, P = 45, 37
+    gi, w_hh = torch.randn(3 * G, generator=g), torch.randn(3 * G, G, generator=g) * 0.3
+    reads, scores = torch.randn(P, G, generator=g), torch.randn(P, generator=g) * 2
+    state = torch.randn(G, generator=g) if with_state else None
+    bias = torch.randn(P, generator=g) if with_bias else None
+    new, short, fused, at, values = packed_kernel.fused_node(gi, state, w_hh, reads, bias, scores, 0.6, 4)
+    want_state, want_short, want_fused = reference_fused_node(gi, state, w_hh, reads, bias, scores, 0.6)
+    torch.testing.assert_close(new, want_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(short, want_short, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fused, want_fused, rtol=1e-5, atol=1e-4)
+    probs = torch.softmax(want_fused, -1)
+    assert at.tolist() == [int(want_fused.argmax()), *probs.topk(4).indices.tolist()]
+    torch.testing.assert_close(values, probs[at], rtol=1e-5, atol=1e-6)
+
+    flat = torch.zeros(3 * G)  # every fused score equal: the first position wins, the top run in order
+    _, _, _, at, values = packed_kernel.fused_node(flat, None, w_hh, torch.zeros(P, G), None, torch.zeros(P), 1.0, 3)
+    assert at.tolist() == [0, 0, 1, 2] and values.tolist() == pytest.approx([1 / P] * 4)
+
+
+def test_a_native_tree_drafts_what_the_ops_draft(tiny_targets, packed_built):
+    """Over a draft vocabulary with a candidate pool, the fused tree built with the native node
+    holds the same paths, probabilities (to float rounding) and fused chain as the op-by-op one."""
+    target = tiny_targets["qwen3"]
+    head = random_head(target, seed=8)
+    g = torch.Generator().manual_seed(9)
+    vocab = torch.randperm(target.vocab_size, generator=g)[:50].sort().values
+    long = torch.randn(6, len(vocab), generator=g) * 3
+    fusion = Fusion(head, alpha=0.8, beta=0.3, vocab=vocab, candidates=12, width=3)
+    step = head.token_step(vocab)
+    trees = {}
+    for native in (True, False):
+        step.native = native
+        trees[native] = fused_tree(long, fusion, 7, 6)
+    (tree_n, q_n, chain_n), (tree_o, q_o, chain_o) = trees[True], trees[False]
+    assert (tree_n.tokens, tree_n.parents) == (tree_o.tokens, tree_o.parents)
+    assert q_n == pytest.approx(q_o, rel=1e-5, abs=1e-6)
+    assert len(chain_n) > 1 and [p.token for p in chain_n] == [p.token for p in chain_o]
+    for a, b in zip(chain_n, chain_o):  # the trace reads the same terms off either
+        a, b = a.record(), b.record()
+        assert [x["token"] for x in a["alternatives"]] == [x["token"] for x in b["alternatives"]]
+        assert a["flipped"] == b["flipped"] and a["short"] == pytest.approx(b["short"], rel=1e-4, abs=1e-5)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError, DrafterMismatchError
-from . import row_kernels
+from . import packed_kernel, row_kernels
 
 _ARCH = "DeLSLocalHead"
 
@@ -120,7 +120,9 @@ class TokenStep:
 
     The recurrent product W_hh h (3G x G, 3 MB in float32) is the largest single cost left; where
     the head's row plan uses the packed kernel, it streams a packed copy of W_hh (on the 2-core
-    AVX-512 CPU, two threads: 18 against 39 µs a product)."""
+    AVX-512 CPU, two threads: 18 against 39 µs a product). Where the native library loaded
+    (`native`), `fused` does a DeLS tree node's whole step, cell, readout and fusion, in one call
+    (fused_node.cpp: about thirty PyTorch ops otherwise, mostly per-op overhead)."""
 
     @torch.inference_mode()
     def __init__(self, head: LocalHead, tokens: torch.Tensor | None) -> None:
@@ -137,6 +139,9 @@ class TokenStep:
             self.reads = lm.weight.index_select(0, tokens).to(self.w_ih.dtype) @ head.proj.weight
             bias = getattr(lm, "bias", None)
             self.read_bias = None if bias is None else bias.index_select(0, tokens).float()
+        # the fused node (fused_node.cpp) where the native library loaded: float32 CPU weights
+        self.native = (packed_kernel.loaded() and self.reads is not None and self.w_hh.dtype == torch.float32
+                       and self.w_hh.device.type == "cpu" and self.w_hh.is_contiguous())
 
     def inputs(self, tokens: torch.Tensor) -> torch.Tensor:
         """W_ih x for the embeddings x of `tokens` [n] -> [n, 3G]."""
@@ -149,11 +154,35 @@ class TokenStep:
         if self.reads is None:
             rows_readout = None if rows is None else self.head.readout_rows(rows)
             return lambda state: self.head.read_out(state, rows_readout)
-        matrix = self.reads if rows is None else self.reads.index_select(0, rows)
-        bias = None if self.read_bias is None else self.read_bias if rows is None else self.read_bias[rows]
+        matrix, bias = self.readout_table(rows)
         if bias is None:
             return lambda state: torch.mv(matrix, state).float()
         return lambda state: torch.mv(matrix, state).float() + bias
+
+    def readout_table(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The readout table's rows for `rows` (positions in the token set; None: all of it) and
+        their bias: logits = matrix @ state + bias. Only with a token set."""
+        if self.reads is None:
+            raise ValueError("the readout table needs a token set (TokenStep(head, tokens))")
+        if rows is None:
+            return self.reads, self.read_bias
+        return self.reads.index_select(0, rows), None if self.read_bias is None else self.read_bias[rows]
+
+    def input_products(self, token: int) -> torch.Tensor:
+        """W_ih x for one token [3G]: its table row, or computed for a token outside the set."""
+        row = self.rows.get(token)
+        return self.table[row] if row is not None else self.inputs(torch.tensor([token], device=self.w_ih.device))[0]
+
+    @torch.inference_mode()
+    def fused(self, token: int, state: torch.Tensor | None, table: tuple[torch.Tensor, torch.Tensor | None],
+              scores: torch.Tensor, alpha: float,
+              width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeLS's fusion after reading `token`, in one native call (`native` must be true): the
+        GRU step, the readout `table` (readout_table's), fused = scores + alpha * short, and the
+        fused softmax's argmax then top `width` -> (state, short, fused, their positions in the
+        pool, their probabilities). What __call__ and the fusion's ops compute, to float rounding."""
+        return packed_kernel.fused_node(self.input_products(token), state, self.w_hh, table[0], table[1], scores,
+                                        alpha, width)
 
     @torch.inference_mode()
     def __call__(self, token: int, state: torch.Tensor | None,
@@ -161,9 +190,7 @@ class TokenStep:
         """After reading `token` from `state` ([G], None at a block's start): the logits of the
         next token (float32: `readout` of the new state, e.g. `self.readout(rows)`; by default
         over every token, as LocalHead.forward) and the GRU state [G]."""
-        row = self.rows.get(token)
-        gi = self.table[row] if row is not None else self.inputs(torch.tensor([token], device=self.w_ih.device))[0]
-        i_r, i_z, i_n = gi.chunk(3)
+        i_r, i_z, i_n = self.input_products(token).chunk(3)
         if state is None:
             z, n = torch.sigmoid(i_z), torch.tanh(i_n)
             state = n - z * n

@@ -1,4 +1,5 @@
-"""The packed few-row matmul (packed_rows.cpp): built for this machine on first use, then loaded.
+"""The packed few-row matmul (packed_rows.cpp), and DeLS's fused tree node (fused_node.cpp): built
+for this machine on first use, then loaded.
 
 Why a kernel of our own: a decoding step multiplies 1 to 16 rows by every weight of the target,
 and on a CPU neither of PyTorch's routes streams the weights at memory speed for more than one
@@ -30,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 32  # output rows per panel: packed_rows.cpp's PANEL
-SOURCE = Path(__file__).with_name("packed_rows.cpp")
+# one library: the packed product, and DeLS's fused tree node (fused_node.cpp), which drafting
+# takes where the library loaded (models/local_head.py TokenStep.fused)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_rows.cpp", "fused_node.cpp"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=gnu++17", "-shared", "-fPIC")
 
 _state: dict[str, object] = {}
@@ -60,7 +63,7 @@ def _cpu_fingerprint() -> str:
 
 def _library_name() -> str:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), torch.__version__.encode(),
                  _cpu_fingerprint().encode(), sys.version.encode()):
         key.update(part)
     return f"packed_rows-{key.hexdigest()[:16]}.so"
@@ -77,8 +80,8 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
-        command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(SOURCE),
-                   "-o", str(built), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+        command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()),
+                   *map(str, SOURCES), "-o", str(built), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {done.stderr.strip()[-600:]}")
@@ -102,3 +105,17 @@ def load(cache_dir: Path) -> bool:
               file=sys.stderr)
         _state["loaded"] = False
     return bool(_state["loaded"])
+
+
+def loaded() -> bool:
+    """Whether `load` built and loaded the library in this process."""
+    return bool(_state.get("loaded"))
+
+
+def fused_node(gi: torch.Tensor, state: torch.Tensor | None, w_hh: torch.Tensor, reads: torch.Tensor,
+               read_bias: torch.Tensor | None, scores: torch.Tensor, alpha: float,
+               width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_node.cpp: a GRU cell over `state` after input products `gi`, its readout `reads`
+    (+ `read_bias`) over a pool, fused as scores + alpha * short -> (new state, short, fused,
+    the pool positions of the argmax then the top `width`, their fused probabilities)."""
+    return torch.ops.specflash_fused.fused_node(gi, state, w_hh, reads, read_bias, scores, alpha, width)
