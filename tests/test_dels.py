@@ -413,6 +413,31 @@ def test_the_native_fused_node_is_the_cell_readout_and_fusion(packed_built, with
     assert at.tolist() == [0, 0, 1, 2] and values.tolist() == pytest.approx([1 / P] * 4)
 
 
+def test_the_native_fused_node_reads_float16_weights_exactly(packed_built):
+    """A recurrent weight that holds float16 values gives the same bits read as float16 (half the
+    bytes) as read as float32; a head whose weights are not float16 values keeps float32."""
+    from specflash.models import packed_kernel
+
+    g = torch.Generator().manual_seed(12)
+    G, P = 70, 20
+    w_hh = (torch.randn(3 * G, G, generator=g) * 0.3).half()
+    gi, state = torch.randn(3 * G, generator=g), torch.randn(G, generator=g)
+    reads, scores = torch.randn(P, G, generator=g), torch.randn(P, generator=g)
+    wide = packed_kernel.fused_node(gi, state, w_hh.float(), reads, None, scores, 0.5, 3)
+    half = packed_kernel.fused_node(gi, state, w_hh, reads, None, scores, 0.5, 3)
+    assert all(torch.equal(a, b) for a, b in zip(wide, half))
+
+
+@pytest.mark.parametrize("in_float16", [True, False])
+def test_a_token_step_streams_float16_only_when_exact(tiny_targets, packed_built, in_float16):
+    head = random_head(tiny_targets["qwen3"], seed=5)
+    if in_float16:
+        with torch.no_grad():
+            head.gru.weight_hh_l0.copy_(head.gru.weight_hh_l0.half().float())
+    step = head.token_step(torch.tensor([3, 9, 17]))
+    assert step.native and step.w_hh_native.dtype == (torch.float16 if in_float16 else torch.float32)
+
+
 def test_a_native_tree_drafts_what_the_ops_draft(tiny_targets, packed_built):
     """Over a draft vocabulary with a candidate pool, the fused tree built with the native node
     holds the same paths, probabilities (to float rounding) and fused chain as the op-by-op one."""

@@ -129,7 +129,7 @@ class Fusion:
         elif step is not None:  # the head's readout over the pool: rows of its token set, else target ids
             readouts = [step.readout(pool) for pool in self._rows(pools, k)]
         columns = (rows.unbind(0), [prior] * k, scores.unbind(0), self._rows(pools, k), self._rows(ids, k), readouts,
-                   rows.argmax(-1).tolist(), tables)
+                   rows.max(-1).indices.tolist(), tables)  # max: argmax's first index, in half its time here
         return [FusionSlot(*fields) for fields in zip(*columns)]
 
     @staticmethod

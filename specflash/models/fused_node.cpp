@@ -5,9 +5,9 @@
 // Why native: in PyTorch the same work is about thirty small ops, 0.22 ms a node on the 2-core
 // CPU, mostly per-op overhead around a 1536 x 512 matrix-vector product; a draft tree expands
 // about seven nodes a step, which made DeLS's drafting step half a target step dearer than
-// DFlash's. Here the recurrent product is split over torch's threads by hidden unit (each thread
-// reads the r, z and n rows of its units, so the gates need no second pass) and the rest is a
-// few loops over at most a few hundred floats.
+// DFlash's. Here the recurrent product is split over torch's threads (recurrent_step), read in
+// float16 where the weights are exactly float16 values, and the rest is a few loops over at most
+// a few hundred floats.
 //
 // The arithmetic is PyTorch's GRU cell (no biases), with sums in another order: outputs match the
 // op-by-op path to float rounding. Ties: the argmax is the first maximal index (as torch.argmax),
@@ -17,6 +17,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -34,21 +38,54 @@ constexpr int LANES = 4;
 #endif
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)), may_alias));
 
-float dot(const float* a, const float* b, int64_t n) {
+// `LANES` weights as float32 lanes: read as they are, or converted from float16 (a recurrent
+// weight saved in float16 holds exactly those values: half the bytes to stream, the same products).
+inline lanes load(const float* a) { return *reinterpret_cast<const lanes*>(a); }
+
+inline lanes load(const at::Half* a) {
+#if defined(__AVX512F__)
+  return (lanes)(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))));
+#elif defined(__AVX__) && defined(__F16C__)
+  return (lanes)(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
+#else
+  lanes out;
+  for (int i = 0; i < LANES; ++i) out[i] = static_cast<float>(a[i]);
+  return out;
+#endif
+}
+
+// sum_k a[k] * b[k], in one fixed order for either weight type (so float16 weights give the bits
+// their float32 copy gives).
+template <typename W>
+float dot(const W* a, const float* b, int64_t n) {
   lanes acc0{}, acc1{};
   int64_t k = 0;
   for (; k + 2 * LANES <= n; k += 2 * LANES) {
-    acc0 += *reinterpret_cast<const lanes*>(a + k) * *reinterpret_cast<const lanes*>(b + k);
-    acc1 += *reinterpret_cast<const lanes*>(a + k + LANES) * *reinterpret_cast<const lanes*>(b + k + LANES);
+    acc0 += load(a + k) * load(b + k);
+    acc1 += load(a + k + LANES) * load(b + k + LANES);
   }
   acc0 += acc1;
   float sum = 0.0f;
   for (int i = 0; i < LANES; ++i) sum += acc0[i];
-  for (; k < n; ++k) sum += a[k] * b[k];
+  for (; k < n; ++k) sum = std::fma(static_cast<float>(a[k]), b[k], sum);
   return sum;
 }
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// h' = GRU cell(h = s) for input products g, split over torch's threads by hidden unit: each
+// thread reads the r, z and n rows of its units, so the gates need no second pass.
+template <typename W>
+void recurrent_step(const W* w, const float* g, const float* s, float* hp, int64_t G) {
+  at::parallel_for(0, G, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const float r = sigmoid(g[j] + dot(w + j * G, s, G));
+      const float z = sigmoid(g[G + j] + dot(w + (G + j) * G, s, G));
+      const float n = std::tanh(g[2 * G + j] + r * dot(w + (2 * G + j) * G, s, G));
+      hp[j] = n + z * (s[j] - n);
+    }
+  });
+}
 
 void check(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() && t.dim() == dim,
@@ -56,7 +93,7 @@ void check(const at::Tensor& t, const char* name, int64_t dim) {
 }
 
 // gi [3G]: W_ih x of the token read; state [G] (absent at a block's start: a zero state); w_hh
-// [3G, G]; reads [P, G] and read_bias [P]: the readout's rows for the pool; scores [P]: the
+// [3G, G] (float32, or float16); reads [P, G] and read_bias [P]: the readout's rows for the pool; scores [P]: the
 // pool's long - beta * prior. Returns the new state [G], the short logits [P], the fused ones
 // [P], and the positions in the pool of the argmax then the top `width` [1 + width] with their
 // fused probabilities [1 + width].
@@ -64,7 +101,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_nod
     const at::Tensor& gi, const std::optional<at::Tensor>& state, const at::Tensor& w_hh, const at::Tensor& reads,
     const std::optional<at::Tensor>& read_bias, const at::Tensor& scores, double alpha, int64_t width) {
   check(gi, "gi", 1);
-  check(w_hh, "w_hh", 2);
+  TORCH_CHECK((w_hh.scalar_type() == at::kFloat || w_hh.scalar_type() == at::kHalf) && w_hh.device().is_cpu() &&
+                  w_hh.is_contiguous() && w_hh.dim() == 2,
+              "fused_node: w_hh must be a contiguous float32 or float16 CPU matrix");
   check(reads, "reads", 2);
   check(scores, "scores", 1);
   const int64_t G = w_hh.size(1), P = reads.size(0);
@@ -91,17 +130,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_nod
       const float z = sigmoid(g[G + j]), n = std::tanh(g[2 * G + j]);
       hp[j] = n - z * n;
     }
+  } else if (w_hh.scalar_type() == at::kHalf) {
+    recurrent_step(w_hh.data_ptr<at::Half>(), g, state->data_ptr<float>(), hp, G);
   } else {
-    const float* s = state->data_ptr<float>();
-    const float* w = w_hh.data_ptr<float>();
-    at::parallel_for(0, G, 16, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const float r = sigmoid(g[j] + dot(w + j * G, s, G));
-        const float z = sigmoid(g[G + j] + dot(w + (G + j) * G, s, G));
-        const float n = std::tanh(g[2 * G + j] + r * dot(w + (2 * G + j) * G, s, G));
-        hp[j] = n + z * (s[j] - n);
-      }
-    });
+    recurrent_step(w_hh.data_ptr<float>(), g, state->data_ptr<float>(), hp, G);
   }
 
   at::Tensor short_logits = at::empty({P}, gi.options()), fused = at::empty({P}, gi.options());

@@ -142,6 +142,9 @@ class TokenStep:
         # the fused node (fused_node.cpp) where the native library loaded: float32 CPU weights
         self.native = (packed_kernel.loaded() and self.reads is not None and self.w_hh.dtype == torch.float32
                        and self.w_hh.device.type == "cpu" and self.w_hh.is_contiguous())
+        # which streams W_hh in float16 where that holds it exactly (a head saved in float16 does)
+        half = self.w_hh.half() if self.native else None
+        self.w_hh_native = half if half is not None and torch.equal(half.float(), self.w_hh) else self.w_hh
 
     def inputs(self, tokens: torch.Tensor) -> torch.Tensor:
         """W_ih x for the embeddings x of `tokens` [n] -> [n, 3G]."""
@@ -181,8 +184,8 @@ class TokenStep:
         GRU step, the readout `table` (readout_table's), fused = scores + alpha * short, and the
         fused softmax's argmax then top `width` -> (state, short, fused, their positions in the
         pool, their probabilities). What __call__ and the fusion's ops compute, to float rounding."""
-        return packed_kernel.fused_node(self.input_products(token), state, self.w_hh, table[0], table[1], scores,
-                                        alpha, width)
+        return packed_kernel.fused_node(self.input_products(token), state, self.w_hh_native, table[0], table[1],
+                                        scores, alpha, width)
 
     @torch.inference_mode()
     def __call__(self, token: int, state: torch.Tensor | None,
