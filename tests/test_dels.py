@@ -399,7 +399,7 @@ def test_the_native_fused_node_is_the_cell_readout_and_fusion(packed_built, with
     reads, scores = torch.randn(P, G, generator=g), torch.randn(P, generator=g) * 2
     state = torch.randn(G, generator=g) if with_state else None
     bias = torch.randn(P, generator=g) if with_bias else None
-    new, short, fused, at, values = packed_kernel.fused_node(gi, state, w_hh, reads, bias, scores, 0.6, 4)
+    new, short, fused, at, values = packed_kernel.fused_node(gi, state, w_hh, reads, bias, None, scores, 0.6, 4)
     want_state, want_short, want_fused = reference_fused_node(gi, state, w_hh, reads, bias, scores, 0.6)
     torch.testing.assert_close(new, want_state, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(short, want_short, rtol=1e-5, atol=1e-4)
@@ -408,8 +408,16 @@ def test_the_native_fused_node_is_the_cell_readout_and_fusion(packed_built, with
     assert at.tolist() == [int(want_fused.argmax()), *probs.topk(4).indices.tolist()]
     torch.testing.assert_close(values, probs[at], rtol=1e-5, atol=1e-6)
 
+    rows = torch.randperm(3 * P, generator=g)[:P]  # the pool's rows of a larger table, read in place
+    table = torch.randn(3 * P, G, generator=g)
+    table[rows] = reads
+    big_bias = None if bias is None else torch.randn(3 * P, generator=g).index_put((rows,), bias)
+    in_place = packed_kernel.fused_node(gi, state, w_hh, table, big_bias, rows, scores, 0.6, 4)
+    assert all(torch.equal(a, b) for a, b in zip(in_place, (new, short, fused, at, values)))
+
     flat = torch.zeros(3 * G)  # every fused score equal: the first position wins, the top run in order
-    _, _, _, at, values = packed_kernel.fused_node(flat, None, w_hh, torch.zeros(P, G), None, torch.zeros(P), 1.0, 3)
+    _, _, _, at, values = packed_kernel.fused_node(flat, None, w_hh, torch.zeros(P, G), None, None, torch.zeros(P), 1.0,
+                                                   3)
     assert at.tolist() == [0, 0, 1, 2] and values.tolist() == pytest.approx([1 / P] * 4)
 
 
@@ -423,8 +431,8 @@ def test_the_native_fused_node_reads_float16_weights_exactly(packed_built):
     w_hh = (torch.randn(3 * G, G, generator=g) * 0.3).half()
     gi, state = torch.randn(3 * G, generator=g), torch.randn(G, generator=g)
     reads, scores = torch.randn(P, G, generator=g), torch.randn(P, generator=g)
-    wide = packed_kernel.fused_node(gi, state, w_hh.float(), reads, None, scores, 0.5, 3)
-    half = packed_kernel.fused_node(gi, state, w_hh, reads, None, scores, 0.5, 3)
+    wide = packed_kernel.fused_node(gi, state, w_hh.float(), reads, None, None, scores, 0.5, 3)
+    half = packed_kernel.fused_node(gi, state, w_hh, reads, None, None, scores, 0.5, 3)
     assert all(torch.equal(a, b) for a, b in zip(wide, half))
 
 

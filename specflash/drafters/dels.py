@@ -120,16 +120,11 @@ class Fusion:
         scores = base if pools is None else base.gather(-1, pools)
         k = len(rows)
         step = self.head.token_step(self.vocab) if self.alpha else None
-        tables = readouts = [None] * k
-        if step is not None and step.native:  # the readout table's rows, for fused_node
-            matrix, bias = step.readout_table(None if pools is None else pools.flatten())
-            matrices = [matrix] * k if pools is None else matrix.view(k, -1, matrix.shape[-1]).unbind(0)
-            biases = [bias] * k if pools is None or bias is None else bias.view(k, -1).unbind(0)
-            tables = list(zip(matrices, biases))
-        elif step is not None:  # the head's readout over the pool: rows of its token set, else target ids
+        readouts = [None] * k  # the native node reads the pool's rows of the readout table in place
+        if step is not None and not step.native:  # the head's readout over the pool: rows of its token set, else ids
             readouts = [step.readout(pool) for pool in self._rows(pools, k)]
         columns = (rows.unbind(0), [prior] * k, scores.unbind(0), self._rows(pools, k), self._rows(ids, k), readouts,
-                   rows.max(-1).indices.tolist(), tables)  # max: argmax's first index, in half its time here
+                   rows.max(-1).indices.tolist())  # max: argmax's first index, in half its time here
         return [FusionSlot(*fields) for fields in zip(*columns)]
 
     @staticmethod
@@ -142,14 +137,14 @@ class Fusion:
         """One position: the prepared `slot` fused with the local head after it reads `last` from
         `state`; the position (its trace record read only when asked) and the head's state after
         `last`."""
-        if self.alpha and slot.table is not None:  # the whole node in one native call
-            step = self.head.token_step(self.vocab)
-            state, short, fused, at, values = step.fused(last, state, slot.table, slot.scores, self.alpha, self.width)
+        step = self.head.token_step(self.vocab) if self.alpha else None
+        if step is not None and step.native:  # the whole node in one native call
+            state, short, fused, at, values = step.fused(last, state, slot.pool, slot.scores, self.alpha, self.width)
             tokens = (at if slot.ids is None else slot.ids[at]).tolist()
             values = values.tolist()
             return FusedPosition(tokens[0], values[0], (values[1:], tokens[1:]), self, slot, fused, short), state
-        if self.alpha:
-            short, state = self.head.token_step(self.vocab)(last, state, slot.readout)  # over the pool, or every token
+        if step is not None:
+            short, state = step(last, state, slot.readout)  # over the pool, or every token
             fused = slot.scores + self.alpha * short
         else:
             short, fused = None, slot.scores
@@ -212,7 +207,6 @@ class FusionSlot:
     ids: torch.Tensor | None
     readout: Callable[[torch.Tensor], torch.Tensor] | None
     argmax: int
-    table: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the readout's rows, where fused_node runs
 
 
 def fuse_positions(long_rows: Iterator[torch.Tensor], head: LocalHead, root: int, alpha: float, beta: float,

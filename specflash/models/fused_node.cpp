@@ -93,32 +93,45 @@ void check(const at::Tensor& t, const char* name, int64_t dim) {
 }
 
 // gi [3G]: W_ih x of the token read; state [G] (absent at a block's start: a zero state); w_hh
-// [3G, G] (float32, or float16); reads [P, G] and read_bias [P]: the readout's rows for the pool; scores [P]: the
-// pool's long - beta * prior. Returns the new state [G], the short logits [P], the fused ones
+// [3G, G] (float32, or float16); reads [R, G] and read_bias [R]: the readout table; rows [P]: the
+// pool's rows in it (absent: the first P rows), read in place; scores [P]: the pool's
+// long - beta * prior. Returns the new state [G], the short logits [P], the fused ones
 // [P], and the positions in the pool of the argmax then the top `width` [1 + width] with their
 // fused probabilities [1 + width].
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_node(
     const at::Tensor& gi, const std::optional<at::Tensor>& state, const at::Tensor& w_hh, const at::Tensor& reads,
-    const std::optional<at::Tensor>& read_bias, const at::Tensor& scores, double alpha, int64_t width) {
+    const std::optional<at::Tensor>& read_bias, const std::optional<at::Tensor>& rows, const at::Tensor& scores,
+    double alpha, int64_t width) {
   check(gi, "gi", 1);
   TORCH_CHECK((w_hh.scalar_type() == at::kFloat || w_hh.scalar_type() == at::kHalf) && w_hh.device().is_cpu() &&
                   w_hh.is_contiguous() && w_hh.dim() == 2,
               "fused_node: w_hh must be a contiguous float32 or float16 CPU matrix");
   check(reads, "reads", 2);
   check(scores, "scores", 1);
-  const int64_t G = w_hh.size(1), P = reads.size(0);
-  TORCH_CHECK(w_hh.size(0) == 3 * G && gi.size(0) == 3 * G && reads.size(1) == G && scores.size(0) == P && P > 0,
+  const int64_t G = w_hh.size(1), P = scores.size(0), R = reads.size(0);
+  TORCH_CHECK(w_hh.size(0) == 3 * G && gi.size(0) == 3 * G && reads.size(1) == G && P > 0,
               "fused_node: shapes do not fit (gi ", gi.sizes(), ", w_hh ", w_hh.sizes(), ", reads ", reads.sizes(),
               ", scores ", scores.sizes(), ")");
   const bool has_state = state.has_value() && state->defined();
   const bool has_bias = read_bias.has_value() && read_bias->defined();
+  const bool has_rows = rows.has_value() && rows->defined();
+  if (has_rows) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->device().is_cpu() && rows->is_contiguous() &&
+                    rows->dim() == 1 && rows->size(0) == P,
+                "fused_node: rows must be a contiguous int64 CPU vector, one per score");
+    const int64_t* r = rows->data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(r, r + P, [&](int64_t i) { return i >= 0 && i < R; }),
+                "fused_node: a pool row is outside the readout table's ", R, " rows");
+  } else {
+    TORCH_CHECK(R >= P, "fused_node: the readout table has ", R, " rows for a pool of ", P);
+  }
   if (has_state) {
     check(*state, "state", 1);
     TORCH_CHECK(state->size(0) == G, "fused_node: state has ", state->size(0), " units, the cell ", G);
   }
   if (has_bias) {
     check(*read_bias, "read_bias", 1);
-    TORCH_CHECK(read_bias->size(0) == P, "fused_node: read_bias has ", read_bias->size(0), " rows, the pool ", P);
+    TORCH_CHECK(read_bias->size(0) == R, "fused_node: read_bias has ", read_bias->size(0), " rows, the table ", R);
   }
   TORCH_CHECK(width >= 0, "fused_node: width must be >= 0");
 
@@ -139,13 +152,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_nod
   at::Tensor short_logits = at::empty({P}, gi.options()), fused = at::empty({P}, gi.options());
   const float* rp = reads.data_ptr<float>();
   const float* bp = has_bias ? read_bias->data_ptr<float>() : nullptr;
+  const int64_t* row = has_rows ? rows->data_ptr<int64_t>() : nullptr;
   const float* sc = scores.data_ptr<float>();
   float* sp = short_logits.data_ptr<float>();
   float* fp = fused.data_ptr<float>();
   const float a = static_cast<float>(alpha);
   int64_t best = 0;
   for (int64_t p = 0; p < P; ++p) {
-    sp[p] = dot(rp + p * G, hp, G) + (bp ? bp[p] : 0.0f);
+    const int64_t i = row ? row[p] : p;
+    sp[p] = dot(rp + i * G, hp, G) + (bp ? bp[i] : 0.0f);
     fp[p] = sc[p] + a * sp[p];
     if (fp[p] > fp[best]) best = p;
   }
@@ -175,8 +190,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_nod
 }  // namespace
 
 TORCH_LIBRARY(specflash_fused, m) {
-  m.def("fused_node(Tensor gi, Tensor? state, Tensor w_hh, Tensor reads, Tensor? read_bias, Tensor scores, "
-        "float alpha, int width) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("fused_node(Tensor gi, Tensor? state, Tensor w_hh, Tensor reads, Tensor? read_bias, Tensor? rows, "
+        "Tensor scores, float alpha, int width) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specflash_fused, CPU, m) { m.impl("fused_node", fused_node); }

@@ -157,19 +157,11 @@ class TokenStep:
         if self.reads is None:
             rows_readout = None if rows is None else self.head.readout_rows(rows)
             return lambda state: self.head.read_out(state, rows_readout)
-        matrix, bias = self.readout_table(rows)
+        matrix = self.reads if rows is None else self.reads.index_select(0, rows)
+        bias = None if self.read_bias is None else self.read_bias if rows is None else self.read_bias[rows]
         if bias is None:
             return lambda state: torch.mv(matrix, state).float()
         return lambda state: torch.mv(matrix, state).float() + bias
-
-    def readout_table(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The readout table's rows for `rows` (positions in the token set; None: all of it) and
-        their bias: logits = matrix @ state + bias. Only with a token set."""
-        if self.reads is None:
-            raise ValueError("the readout table needs a token set (TokenStep(head, tokens))")
-        if rows is None:
-            return self.reads, self.read_bias
-        return self.reads.index_select(0, rows), None if self.read_bias is None else self.read_bias[rows]
 
     def input_products(self, token: int) -> torch.Tensor:
         """W_ih x for one token [3G]: its table row, or computed for a token outside the set."""
@@ -177,15 +169,15 @@ class TokenStep:
         return self.table[row] if row is not None else self.inputs(torch.tensor([token], device=self.w_ih.device))[0]
 
     @torch.inference_mode()
-    def fused(self, token: int, state: torch.Tensor | None, table: tuple[torch.Tensor, torch.Tensor | None],
-              scores: torch.Tensor, alpha: float,
-              width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fused(self, token: int, state: torch.Tensor | None, rows: torch.Tensor | None, scores: torch.Tensor,
+              alpha: float, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """DeLS's fusion after reading `token`, in one native call (`native` must be true): the
-        GRU step, the readout `table` (readout_table's), fused = scores + alpha * short, and the
-        fused softmax's argmax then top `width` -> (state, short, fused, their positions in the
-        pool, their probabilities). What __call__ and the fusion's ops compute, to float rounding."""
-        return packed_kernel.fused_node(self.input_products(token), state, self.w_hh_native, table[0], table[1],
-                                        scores, alpha, width)
+        GRU step, the readout over the pool `rows` (positions in the token set; None: all of it)
+        read in place from the table, fused = scores + alpha * short, and the fused softmax's
+        argmax then top `width` -> (state, short, fused, their positions in the pool, their
+        probabilities). What __call__ and the fusion's ops compute, to float rounding."""
+        return packed_kernel.fused_node(self.input_products(token), state, self.w_hh_native, self.reads, self.read_bias,
+                                        rows, scores, alpha, width)
 
     @torch.inference_mode()
     def __call__(self, token: int, state: torch.Tensor | None,

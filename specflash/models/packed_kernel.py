@@ -113,9 +113,10 @@ def loaded() -> bool:
 
 
 def fused_node(gi: torch.Tensor, state: torch.Tensor | None, w_hh: torch.Tensor, reads: torch.Tensor,
-               read_bias: torch.Tensor | None, scores: torch.Tensor, alpha: float,
+               read_bias: torch.Tensor | None, rows: torch.Tensor | None, scores: torch.Tensor, alpha: float,
                width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fused_node.cpp: a GRU cell over `state` after input products `gi`, its readout `reads`
-    (+ `read_bias`) over a pool, fused as scores + alpha * short -> (new state, short, fused,
-    the pool positions of the argmax then the top `width`, their fused probabilities)."""
-    return torch.ops.specflash_fused.fused_node(gi, state, w_hh, reads, read_bias, scores, alpha, width)
+    """fused_node.cpp: a GRU cell over `state` after input products `gi`, its readout over a pool
+    (the `rows` of the table `reads` + `read_bias`; None: its first rows), fused as scores + alpha *
+    short -> (new state, short, fused, the pool positions of the argmax then the top `width`,
+    their fused probabilities)."""
+    return torch.ops.specflash_fused.fused_node(gi, state, w_hh, reads, read_bias, rows, scores, alpha, width)
