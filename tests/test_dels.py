@@ -12,7 +12,7 @@ from conftest import LOSSLESS_ARCHS, hf_greedy
 from test_dflash import random_drafter
 from specflash.api import generate
 from specflash.config import SamplingConfig
-from specflash.drafters.dels import DeLSConfig, DeLSDrafter, Fusion, FusedPosition, fuse_block, fused_tree
+from specflash.drafters.dels import DeLSConfig, DeLSDrafter, Fusion, fuse_block, fused_tree
 from specflash.drafters.dflash import DFlashConfig, DFlashEngineDrafter
 from specflash.errors import CheckpointError, DrafterMismatchError, MethodConfigError, SpecFlashError
 from specflash.models import row_kernels
@@ -464,6 +464,7 @@ def test_a_native_tree_drafts_what_the_ops_draft(tiny_targets, packed_built):
     assert (tree_n.tokens, tree_n.parents) == (tree_o.tokens, tree_o.parents)
     assert q_n == pytest.approx(q_o, rel=1e-5, abs=1e-6)
     assert len(chain_n) > 1 and [p.token for p in chain_n] == [p.token for p in chain_o]
-    for a, b in zip(*map(FusedPosition.records, (chain_n, chain_o))):  # the trace reads the same terms off either
+    for a, b in zip(chain_n, chain_o):  # the trace reads the same terms off either
+        a, b = a.record(), b.record()
         assert [x["token"] for x in a["alternatives"]] == [x["token"] for x in b["alternatives"]]
         assert a["flipped"] == b["flipped"] and a["short"] == pytest.approx(b["short"], rel=1e-4, abs=1e-5)

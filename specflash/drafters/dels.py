@@ -74,14 +74,15 @@ def fuse_block(long_logits: torch.Tensor, head: LocalHead, root: int, alpha: flo
 
 def collect_fused(positions: Iterable[FusedPosition]) -> dict[str, Any]:
     """Fused positions as one block: target token ids, fused probabilities, each position's top
-    fused tokens, the trace (FusedPosition.records: every position's in one set of ops)."""
-    positions = list(positions)
-    trace = {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
-    for record in FusedPosition.records(positions):
-        for key, value in record.items():
+    fused tokens, the trace."""
+    tokens, q, top, trace = [], [], [], {"long": [], "short": [], "prior": [], "flipped": [], "alternatives": []}
+    for position in (position.record() for position in positions):
+        tokens.append(position.pop("token"))
+        q.append(position.pop("q"))
+        top.append(position.pop("top"))
+        for key, value in position.items():
             trace[key].append(value)
-    return {"tokens": [p.token for p in positions], "q": [p.q for p in positions], "top": [p.top for p in positions],
-            "trace": trace}
+    return {"tokens": tokens, "q": q, "top": top, "trace": trace}
 
 
 @dataclass
@@ -170,33 +171,26 @@ class FusedPosition:
     fused: torch.Tensor
     short: torch.Tensor | None
 
-    @staticmethod
-    def records(positions: list[FusedPosition]) -> list[dict[str, Any]]:
-        """Each position as the trace records it: the chosen token's long, short and prior terms,
-        whether the local head flipped DFlash's choice, and the fused top _TOP's terms. Positions
-        of one fusion, read together (a dozen small ops a position, one by one)."""
-        if not positions:
-            return []
-        fusion, slots = positions[0].fusion, [p.slot for p in positions]
-        fused = torch.stack([p.fused for p in positions])  # [c, P]
-        at = torch.cat([fused.max(-1).indices[:, None], fused.topk(min(_TOP, fused.shape[-1]), dim=-1).indices], 1)
-        where = at if slots[0].pool is None else torch.stack([s.pool for s in slots]).gather(1, at)  # base indices
-        long = torch.stack([s.row for s in slots]).gather(1, where)
-        short = (torch.zeros(at.shape, device=fused.device) if positions[0].short is None
-                 else fusion.alpha * torch.stack([p.short for p in positions]).gather(1, at))
-        prior = -fusion.beta * slots[0].prior[where]
-        ids = slots[0].ids  # None, the draft vocabulary (no pool), or each slot's pool's ids
-        if ids is not None:
-            ids = ids[at] if slots[0].pool is None else torch.stack([s.ids for s in slots]).gather(1, at)
-        tokens = at if ids is None else ids
-        values = torch.stack([long, short.to(long.dtype), prior.to(long.dtype)], 1).tolist()  # [c, 3, 1 + _TOP]
-        chosen = where[:, 0].tolist()
-        out = []
-        for position, slot, (lo, sh, pr), ts, first in zip(positions, slots, values, tokens.tolist(), chosen):
-            out.append({"long": lo[0], "short": sh[0], "prior": pr[0], "flipped": first != slot.argmax,
-                        "alternatives": [{"token": ts[i], "long": lo[i], "short": sh[i], "prior": pr[i]}
-                                         for i in range(1, len(ts))]})
-        return out
+    def record(self) -> dict[str, Any]:
+        """The position as the trace records it: the chosen token's long, short and prior terms,
+        whether the local head flipped DFlash's choice, and the fused top _TOP's terms."""
+        slot, fusion, fused = self.slot, self.fusion, self.fused
+        at = torch.cat([fused.argmax()[None], fused.topk(min(_TOP, fused.numel())).indices])  # fused positions
+        where = at if slot.pool is None else slot.pool[at]  # base indices
+        short = torch.zeros(len(at), device=fused.device) if self.short is None else fusion.alpha * self.short[at]
+        values = torch.stack([slot.row[where], short.to(slot.row.dtype), -fusion.beta * slot.prior[where]]).tolist()
+        tokens = (at if slot.ids is None else slot.ids[at]).tolist()
+        return {
+            "token": self.token,
+            "q": self.q,
+            "top": self.top,
+            "long": values[0][0],
+            "short": values[1][0],
+            "prior": values[2][0],
+            "flipped": int(where[0]) != slot.argmax,
+            "alternatives": [{"token": tokens[i], "long": values[0][i], "short": values[1][i], "prior": values[2][i]}
+                             for i in range(1, len(at))],
+        }
 
 
 @dataclass(frozen=True)
