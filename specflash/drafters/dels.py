@@ -140,22 +140,20 @@ class Fusion:
         step = self.head.token_step(self.vocab) if self.alpha else None
         if step is not None and step.native:  # the whole node in one native call
             state, short, fused, at, values = step.fused(last, state, slot.pool, slot.scores, self.alpha, self.width)
-            tokens = (at if slot.ids is None else slot.ids[at]).tolist()
-            values = values.tolist()
-            return FusedPosition(tokens[0], values[0], (values[1:], tokens[1:]), self, slot, fused, short), state
-        if step is not None:
-            short, state = step(last, state, slot.readout)  # over the pool, or every token
-            fused = slot.scores + self.alpha * short
         else:
-            short, fused = None, slot.scores
-        j = fused.argmax()
-        probs = torch.softmax(fused, -1)
-        best = probs.topk(min(self.width, probs.numel()))
-        at = torch.cat([j[None], best.indices])  # the chosen token, then the top `width`, read in one transfer each
-        tokens = (at if slot.ids is None else slot.ids[at]).tolist()
-        values = torch.cat([probs[j][None], best.values]).tolist()
+            if step is not None:
+                short, state = step(last, state, slot.readout)  # over the pool, or every token
+                fused = slot.scores + self.alpha * short
+            else:
+                short, fused = None, slot.scores
+            j = fused.argmax()
+            probs = torch.softmax(fused, -1)
+            best = probs.topk(min(self.width, probs.numel()))
+            at = torch.cat([j[None], best.indices])  # the chosen token, then the top `width`
+            values = torch.cat([probs[j][None], best.values])
+        tokens = (at if slot.ids is None else slot.ids[at]).tolist()  # read in one transfer each
+        values = values.tolist()
         return FusedPosition(tokens[0], values[0], (values[1:], tokens[1:]), self, slot, fused, short), state
-
 
 @dataclass(frozen=True)
 class FusedPosition:
