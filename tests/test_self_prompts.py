@@ -73,3 +73,38 @@ def test_harvest_answers_the_written_requests_and_the_recipe_alone_cannot(tiny_d
         assert written[int(sample.sample_id.removeprefix("self-"))] in prompt
     with pytest.raises(SpecFlashError, match="written by the target"):
         harvest.recipe_jobs(0, 5, ["self-prompts"], tmp_path)
+
+
+def test_a_domain_subset_cycles_over_those_domains_and_keys_its_own_folder(tiny_dirs):
+    slots = self_prompts.slot_openings(9, 0, ["writing", "rewrite", "chat"])
+    assert [d for d, _ in slots] == ["writing", "rewrite", "chat"] * 3
+    assert all(opening in self_prompts.OPENINGS[domain] for domain, opening in slots)
+    assert self_prompts.slot_openings(10, 0, list(self_prompts.OPENINGS)) == self_prompts.slot_openings(10, 0)
+    for bad in (["poetry"], [], ["math", "math"]):
+        with pytest.raises(SpecFlashError, match="self-prompt domains"):
+            self_prompts.slot_openings(4, 0, bad)
+
+    base = ["--model", str(tiny_dirs["llama"]), "--sources", "self-prompts", "--kernel", "stock"]
+    plain = harvest._settings(harvest.parse_args(base))
+    assert "self_prompt_domains" not in plain  # folders made before the option keep their key
+    subset = harvest._settings(harvest.parse_args([*base, "--self-prompt-domains", "writing,rewrite"]))
+    assert subset["self_prompt_domains"] == ["writing", "rewrite"]
+    assert harvest.default_out(tiny_dirs["llama"], subset) != harvest.default_out(tiny_dirs["llama"], plain)
+    with pytest.raises(SystemExit):
+        harvest.parse_args([*base, "--self-prompt-domains", "poetry"])
+
+
+def test_requests_of_a_domain_subset_open_with_those_domains(llama, tmp_path, monkeypatch):
+    model, tokenizer = llama
+    asked = []
+
+    def write(model, tokenizer, openings, *args, **kw):
+        asked.extend(openings)
+        return [f"{o} about {i} one two three four" for i, o in enumerate(openings)]
+
+    monkeypatch.setattr(self_prompts, "sample_user_turns", write)
+    jobs = self_prompts.self_prompt_jobs(model, tokenizer, 12, 0, tmp_path / "w.jsonl", domains=["writing", "rewrite"])
+    assert [j.domain for j in jobs] == ["writing", "rewrite"] * 6
+    assert [j.text for j in jobs] == [f"{o} about {i} one two three four" for i, o in enumerate(asked)]
+    for job in jobs:
+        assert any(job.text.startswith(o) for o in self_prompts.OPENINGS[job.domain])

@@ -261,6 +261,8 @@ def _settings(args: argparse.Namespace) -> dict:
         settings["temperature"] = args.temperature
     if args.kernel == "packed":  # only then: folders made with PyTorch's kernels keep their key
         settings["kernel"] = "packed"
+    if args.self_prompt_domains is not None:  # only then: folders of every domain keep their key
+        settings["self_prompt_domains"] = list(args.self_prompt_domains)
     return settings
 
 
@@ -275,12 +277,14 @@ def load_harvest_target(args: argparse.Namespace):
     return model, tokenizer
 
 
-def self_prompt_writer(model, tokenizer, count: int, seed: int, path: Path) -> Callable[[], list[Job]]:
+def self_prompt_writer(model, tokenizer, count: int, seed: int, path: Path,
+                       domains: Sequence[str] | None = None) -> Callable[[], list[Job]]:
     """What recipe_jobs calls for the `self-prompts` source's requests (written by the target,
     kept in `path`), with a progress bar; called only when the recipe reaches that source."""
     def write() -> list[Job]:
         with tqdm(total=count, unit="request", desc="self-prompts") as bar:
-            return self_prompt_source.self_prompt_jobs(model, tokenizer, count, seed, path, progress=bar.update)
+            return self_prompt_source.self_prompt_jobs(model, tokenizer, count, seed, path, progress=bar.update,
+                                                      domains=domains)
 
     return write
 
@@ -299,7 +303,8 @@ def harvest(args: argparse.Namespace) -> dict:
     model = tokenizer = write_prompts = None
     if self_prompt_source.SOURCE in args.sources:
         model, tokenizer = load_harvest_target(args)
-        write_prompts = self_prompt_writer(model, tokenizer, args.per_source, args.seed, out / "self-prompts.jsonl")
+        write_prompts = self_prompt_writer(model, tokenizer, args.per_source, args.seed, out / "self-prompts.jsonl",
+                                           args.self_prompt_domains)
     jobs = recipe_jobs(args.seed, args.per_source, args.sources, cache, write_prompts)[: args.limit]
     done = {sid for shard in manifest["shards"] for sid in shard["ids"]}
     todo = [job for job in jobs if job.sample_id not in done]
@@ -357,6 +362,13 @@ def summary(out: Path) -> str:
     return "\n".join(lines)
 
 
+def _domains(text: str) -> list[str]:
+    try:
+        return self_prompt_source.check_domains([x.strip() for x in text.split(",") if x.strip()])
+    except SpecFlashError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -380,6 +392,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "else stock); stock resumes folders made before the packed kernel")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--self-prompt-domains", type=_domains, default=None,
+                   help=f"comma list of the self-prompts' opening domains (default all: {','.join(self_prompt_source.OPENINGS)})")
     p.add_argument("--summary", action="store_true", help="print what the folder holds, per source, and stop")
     args = p.parse_args(argv)
     for flag in ("per_source", "max_new_tokens", "batch_size", "shard_size"):

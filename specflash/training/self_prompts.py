@@ -5,8 +5,9 @@ Why: the requests a drafter is judged on are short hand-written ones, and only t
 prompts look like them; templated tasks over local text are many but all alike. An instruct
 model has learnt what users ask, so sampling its user turn gives as many varied, natural requests
 as the harvest can answer, with no data set to download. The openings steer them towards the
-four domains (and one slot in five is left free). The target then answers each one greedily, as for every
-other source, so the labels are still its own greedy tokens.
+four domains (and one slot in five is left free), or, with a harvest's `--self-prompt-domains`, to
+the ones named (where a drafter is weakest). The target then answers each one greedily, as for
+every other source, so the labels are still its own greedy tokens.
 
 Slot `i` of the list is decided by the seed alone (its opening, and the sampler's generator for
 its batch), so a rerun on the same torch build writes the same requests; a slot whose message
@@ -56,10 +57,20 @@ def user_turn_frame(tokenizer) -> tuple[str, str]:
     return before, after
 
 
-def slot_openings(n: int, seed: int) -> list[tuple[str, str]]:
-    """(domain, opening) of slots 0..n-1, cycling over the domains."""
+def check_domains(domains: Sequence[str]) -> list[str]:
+    """The opening domains named, each known and none twice (a harvest's `--self-prompt-domains`)."""
+    unknown = [d for d in domains if d not in OPENINGS]
+    if unknown or not domains or len(set(domains)) != len(domains):
+        raise SpecFlashError(f"self-prompt domains {list(domains)}: name each of {', '.join(OPENINGS)} at most once, "
+                             "at least one")
+    return list(domains)
+
+
+def slot_openings(n: int, seed: int, domains: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """(domain, opening) of slots 0..n-1, cycling over `domains` (default: all of them); a subset
+    steers a harvest towards the domains a drafter is weakest on."""
     rng = random.Random(f"{SOURCE}|{seed}")
-    domains = list(OPENINGS)
+    domains = list(OPENINGS) if domains is None else check_domains(domains)
     return [(domains[i % len(domains)], rng.choice(OPENINGS[domains[i % len(domains)]])) for i in range(n)]
 
 
@@ -99,9 +110,9 @@ def sample_user_turns(model, tokenizer, openings: Sequence[str], generator: torc
 
 
 def self_prompt_jobs(model, tokenizer, n: int, seed: int, path: Path, temperature: float = 1.0,
-                     max_tokens: int = 64, progress=None) -> list[Job]:
+                     max_tokens: int = 64, progress=None, domains: Sequence[str] | None = None) -> list[Job]:
     """The kept requests among slots 0..n-1, writing the missing batches of slots to `path`."""
-    slots = slot_openings(n, seed)
+    slots = slot_openings(n, seed, domains)
     lines = path.read_text().splitlines() if path.is_file() else []
     done = len(lines) - len(lines) % BATCH  # a batch cut short by an interrupt is redone
     messages: list[str | None] = [json.loads(line)["text"] for line in lines[:done]]
