@@ -155,6 +155,7 @@ class Fusion:
         values = values.tolist()
         return FusedPosition(tokens[0], values[0], (values[1:], tokens[1:]), self, slot, fused, short), state
 
+
 @dataclass(frozen=True)
 class FusedPosition:
     """One fused position: what a tree needs of every node at once (the chosen token, its fused
