@@ -37,7 +37,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--methods", default=None, help="comma list (default ar,pld,hf-pld); hf-assisted and hf-pld are "
                    "reference rows; labelled variants such as dflash:margin or adaflash:fixed run the method with "
-                   "their own knobs (-o dflash:margin.KEY=VALUE; a label naming an adaflash cut rule sets it); with "
+                   "their own knobs (-o dflash:margin.KEY=VALUE; a label naming an adaflash cut rule sets it; "
+                   "-o dflash:new.drafter=PATH gives a variant its own drafter, to compare two side by side); with "
                    "--batch-sizes (default ar,dflash,adaflash): ar, dflash, adaflash and their variants")
     p.add_argument("--domains", default="math,code,writing,rewrite")
     p.add_argument("--prompts", choices=PROMPT_SETS, default="heldout",
@@ -142,6 +143,16 @@ def label_variants(names: list[str], per_method: dict[str, dict]) -> dict[str, t
     return variants
 
 
+def own_drafter(options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """A variant's own drafter (`-o dflash:new.drafter=PATH`) and the method's knobs without it.
+
+    Why: two drafters compared in two runs also compare two states of a shared machine (the gate and
+    the trees follow the run's own timings); as variants of one run they share its prompts, repeats
+    and host."""
+    knobs = dict(options)
+    return knobs.pop("drafter", None), knobs
+
+
 def bench_prompts(prompt_set: str, domains: list[str], per_domain: int,
                   cache_dir: Path | None = None) -> list[tuple[str, str, str]]:
     """(domain, prompt id, text), `per_domain` per domain, of the held-out prompts ("heldout"),
@@ -230,17 +241,19 @@ def run_bench(args: argparse.Namespace) -> int:
     variants = label_variants(methods, _method_options(args.option))
     drafter = args.drafter or default_drafter(args.model, "draft", args.cache_dir)
     runners, weights = {}, {}
-    for name, (m, options) in variants.items():
+    for name, (m, variant) in variants.items():
+        own, options = own_drafter(variant)
         if m in HF_ROWS:
             drafter_model = None
             if m == "hf-assisted":
-                drafter_model = load_causal_lm(drafter, target.device, target.dtype, args.cache_dir)[0] if drafter else None
+                folder = own or drafter
+                drafter_model = load_causal_lm(folder, target.device, target.dtype, args.cache_dir)[0] if folder else None
                 if drafter_model is None:
                     print("skipping hf-assisted: no draft model (pass --drafter)")
                     continue
             runners[name] = _hf_runner(target, m, drafter_model)
         else:
-            method_drafter = drafter if m == "draft" else args.drafter or default_drafter(args.model, m, args.cache_dir)
+            method_drafter = own or (drafter if m == "draft" else args.drafter or default_drafter(args.model, m, args.cache_dir))
             runners[name] = _engine_runner(target, m, method_drafter, options, args.cache_dir)
             weights[name] = measured_weights(args.model, m, method_drafter, options, args.cache_dir)
     prompts = bench_prompts(args.prompts, [d.strip() for d in args.domains.split(",") if d.strip()],

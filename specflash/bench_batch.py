@@ -150,7 +150,7 @@ def run_batch_bench(args: argparse.Namespace) -> int:
     """`bench --batch-sizes ...`: print a table per batch size and write the JSON to --out."""
     from .api import encode_prompt, load
     from .batch import build_batch_drafter
-    from .bench import _method_options, device_label
+    from .bench import _method_options, device_label, own_drafter
     from .prompts import heldout_prompts
 
     sizes = parse_batch_sizes(args.batch_sizes)
@@ -161,12 +161,12 @@ def run_batch_bench(args: argparse.Namespace) -> int:
     device = device_label(target)
     results, samples = {}, []
     for batch in sizes:
-        drafters = {
-            name: (method, build_batch_drafter(method, target, options,
-                                               args.drafter or default_drafter(args.model, method, args.cache_dir),
-                                               batch=batch, cache_dir=args.cache_dir))
-            for name, (method, options) in variants.items()
-        }
+        drafters = {}
+        for name, (method, variant) in variants.items():
+            own, options = own_drafter(variant)
+            folder = own or args.drafter or default_drafter(args.model, method, args.cache_dir)
+            drafters[name] = (method, build_batch_drafter(method, target, options, folder, batch=batch,
+                                                          cache_dir=args.cache_dir))
         mine = sweep_batch(target, encoded, batch, drafters, args.max_new_tokens, args.repeats)
         results[str(batch)] = summarize_batch(mine, list(variants))
         samples += mine

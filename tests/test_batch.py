@@ -438,3 +438,19 @@ def test_bench_sweeps_batch_sizes(tiny_targets, tiny_dirs, tmp_path, capsys):
         assert [r["method"] for r in rows] == ["ar", "dflash", "adaflash:fixed"]
         assert all(r["identical_to_ar"] for r in rows) and all(r["samples"] == 2 for r in rows)
     assert {len(s["outputs"]) for s in data["samples"]} == {1, 3}
+
+
+def test_bench_batch_variant_runs_its_own_drafter(tiny_targets, tiny_dirs, tmp_path):
+    wide, narrow = tmp_path / "wide", tmp_path / "narrow"
+    save_drafter(random_drafter(tiny_targets["qwen3"], block=4, feature_layers=(1,)), wide)
+    save_drafter(random_drafter(tiny_targets["qwen3"], seed=1, block=2, feature_layers=(1,)), narrow)
+    out = tmp_path / "batch.json"
+    code = main(["bench", "--model", str(tiny_dirs["qwen3"]), "--methods", "ar,dflash,dflash:narrow",
+                 "-o", f"dflash:narrow.drafter={narrow}", "--batch-sizes", "2", "--domains", "code",
+                 "--prompts-per-domain", "2", "--max-new-tokens", "6", "--repeats", "1", "--drafter", str(wide),
+                 "--out", str(out)])
+    assert code == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]["2"]}
+    assert rows["dflash"]["identical_to_ar"] and rows["dflash:narrow"]["identical_to_ar"]
+    # block 2 verifies 2 tokens a row a step, block 4 verifies 4: the variant ran its own drafter
+    assert rows["dflash:narrow"]["verified_per_committed"] < rows["dflash"]["verified_per_committed"]

@@ -77,6 +77,31 @@ def test_bench_runs_labelled_variants_with_their_own_knobs(tiny_targets, tiny_di
     assert not (tmp_path / "never.json").exists()
 
 
+def test_a_variant_with_its_own_drafter_runs_it_beside_the_default_one(tiny_targets, tiny_dirs, tmp_path, capsys):
+    import json
+
+    from specflash.cli import main
+    from specflash.models.dflash_io import save_drafter
+    from test_dflash import random_drafter
+
+    wide, narrow = tmp_path / "wide", tmp_path / "narrow"
+    save_drafter(random_drafter(tiny_targets["qwen3"], block=4, feature_layers=(1,)), wide)
+    save_drafter(random_drafter(tiny_targets["qwen3"], seed=1, block=2, feature_layers=(1,)), narrow)
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(tiny_dirs["qwen3"]), "--methods", "ar,dflash,dflash:narrow",
+                 "-o", "dflash.gate=false", "-o", "dflash.tree=false", "-o", f"dflash:narrow.drafter={narrow}",
+                 "--domains", "code", "--prompts-per-domain", "1", "--max-new-tokens", "6", "--repeats", "1",
+                 "--drafter", str(wide), "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["weights"]["dflash"]["drafter"]["weights"] != data["weights"]["dflash:narrow"]["drafter"]["weights"]
+    assert data["options"]["dflash:narrow"]["drafter"] == str(narrow)
+    rows = {r["method"]: r for r in data["rows"]}
+    assert all(r["identical_to_ar"] for r in rows.values())
+    # a chain of block 2 verifies at most 2 tokens a step, block 4's 4: each variant ran its own drafter
+    assert rows["dflash:narrow"]["verified_per_committed"] < rows["dflash"]["verified_per_committed"]
+
+
 def test_bench_builds_each_drafter_once_outside_the_timed_samples(tiny_targets, tiny_dirs, tmp_path, monkeypatch):
     from specflash import api, drafters
     from specflash.cli import main
