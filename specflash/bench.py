@@ -143,14 +143,20 @@ def label_variants(names: list[str], per_method: dict[str, dict]) -> dict[str, t
     return variants
 
 
-def own_drafter(options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+def own_drafter(method: str, options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     """A variant's own drafter (`-o dflash:new.drafter=PATH`) and the method's knobs without it.
 
     Why: two drafters compared in two runs also compare two states of a shared machine (the gate and
     the trees follow the run's own timings); as variants of one run they share its prompts, repeats
-    and host."""
+    and host. A drafter given to a method that runs none is an error, not ignored."""
+    from .drafters import method_info
+    from .errors import MethodConfigError
+
     knobs = dict(options)
-    return knobs.pop("drafter", None), knobs
+    own = knobs.pop("drafter", None)
+    if own is not None and method != "hf-assisted" and (method in HF_ROWS or method_info(method).drafter_role is None):
+        raise MethodConfigError(f"method {method!r} runs no drafter: drafter={own} has nothing to set")
+    return own, knobs
 
 
 def bench_prompts(prompt_set: str, domains: list[str], per_domain: int,
@@ -242,7 +248,7 @@ def run_bench(args: argparse.Namespace) -> int:
     drafter = args.drafter or default_drafter(args.model, "draft", args.cache_dir)
     runners, weights = {}, {}
     for name, (m, variant) in variants.items():
-        own, options = own_drafter(variant)
+        own, options = own_drafter(m, variant)
         if m in HF_ROWS:
             drafter_model = None
             if m == "hf-assisted":

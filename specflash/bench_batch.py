@@ -163,7 +163,7 @@ def run_batch_bench(args: argparse.Namespace) -> int:
     for batch in sizes:
         drafters = {}
         for name, (method, variant) in variants.items():
-            own, options = own_drafter(variant)
+            own, options = own_drafter(method, variant)
             folder = own or args.drafter or default_drafter(args.model, method, args.cache_dir)
             drafters[name] = (method, build_batch_drafter(method, target, options, folder, batch=batch,
                                                           cache_dir=args.cache_dir))

@@ -100,6 +100,9 @@ def test_a_variant_with_its_own_drafter_runs_it_beside_the_default_one(tiny_targ
     assert all(r["identical_to_ar"] for r in rows.values())
     # a chain of block 2 verifies at most 2 tokens a step, block 4's 4: each variant ran its own drafter
     assert rows["dflash:narrow"]["verified_per_committed"] < rows["dflash"]["verified_per_committed"]
+    assert main(["bench", "--model", str(tiny_dirs["qwen3"]), "--methods", "ar,pld:x", "-o", f"pld:x.drafter={narrow}",
+                 "--out", str(tmp_path / "never.json")]) == 2
+    assert "method 'pld' runs no drafter" in capsys.readouterr().err and not (tmp_path / "never.json").exists()
 
 
 def test_bench_builds_each_drafter_once_outside_the_timed_samples(tiny_targets, tiny_dirs, tmp_path, monkeypatch):
