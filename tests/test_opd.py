@@ -185,6 +185,13 @@ def test_acceptance_by_domain(opd_run, tiny_targets):
     assert result["std"] == pytest.approx(statistics.pstdev(values)) and len(result["outputs"]) == 4
     ar = evaluate.acceptance_by_domain(target, None, ("math", "code"), per_domain=2, max_new_tokens=8, method="ar")
     assert ar["outputs"] == result["outputs"] and ar["mean"] == 1.0
+    from specflash.prompts import dev_prompts, heldout_prompts
+
+    dev = evaluate.acceptance_by_domain(target, str(opd_run / "drafter"), ("math", "code"), per_domain=2,
+                                        max_new_tokens=8, prompt_set="dev")
+    assert set(dev["outputs"]) == {q.id for d in ("math", "code") for q in dev_prompts(d)[:2]}
+    assert set(result["outputs"]) == {q.id for d in ("math", "code") for q in heldout_prompts(d)[:2]}
+    assert set(dev["outputs"]).isdisjoint(result["outputs"])
 
 
 def test_acceptance_by_domain_caps_the_drafted_depth(opd_run, tiny_targets):

@@ -1,4 +1,5 @@
 """Acceptance per domain on the held-out prompts: the yardstick for drafters before and after training.
+(`--prompts dev|tuning` measures on prompts meant for choosing a checkpoint instead.)
 
 Each drafter decodes the same held-out prompts of every domain (batched, temperature 0, so every
 output is the target's and only acceptance differs). Mean acceptance length per domain pools a
@@ -21,18 +22,21 @@ from typing import Any
 
 import torch
 
+from ..bench import PROMPT_SETS, bench_prompts
 from ..metrics import decode_steps
-from ..prompts import DOMAINS, heldout_prompts
+from ..prompts import DOMAINS
 from .entry import run_script
 
 
 def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_domain: int = 4,
                          max_new_tokens: int = 64, method: str = "dflash",
-                         max_draft: int | None = None) -> dict[str, Any]:
+                         max_draft: int | None = None, prompt_set: str = "heldout") -> dict[str, Any]:
     """{"domains": {domain: mean acceptance length}, "mean", "std", "range", "drafted_per_step":
     {domain: mean drafted tokens per decode step}, "outputs": ids per prompt}.
     `max_draft` caps the drafted tokens per step (a DFlash-family option), so that drafters of
-    different block sizes compare at the same depth."""
+    different block sizes compare at the same depth. `prompt_set` is `bench`'s: the held-out
+    prompts (the figures to report), or the dev prompts or tuning requests to choose a checkpoint
+    on without spending the held-out ones."""
     from ..api import encode_prompt, generate_batch
     from ..drafters import build_drafter, method_info
     from ..drafters.dflash import DFlashFamilyConfig
@@ -46,13 +50,13 @@ def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_
     single = build_drafter(method, target, options or None, drafter)
     by_domain, drafted, outputs = {}, {}, {}
     for domain in domains:
-        prompts = heldout_prompts(domain)[:per_domain]
-        result = generate_batch(target, [encode_prompt(target, p.text) for p in prompts], method=method,
+        prompts = bench_prompts(prompt_set, [domain], per_domain)
+        result = generate_batch(target, [encode_prompt(target, text) for _, _, text in prompts], method=method,
                                 max_new_tokens=max_new_tokens, drafter=single)
         steps = [s for run in result.runs for s in decode_steps(run)]
         by_domain[domain] = sum(len(s.committed) for s in steps) / max(1, len(steps))
         drafted[domain] = sum(len(s.tokens) for s in steps) / max(1, len(steps))
-        outputs.update({p.id: run.output_ids for p, run in zip(prompts, result.runs)})
+        outputs.update({pid: run.output_ids for (_, pid, _), run in zip(prompts, result.runs)})
     values = list(by_domain.values())
     return {"domains": by_domain, "mean": statistics.fmean(values), "std": statistics.pstdev(values),
             "range": max(values) - min(values), "drafted_per_step": drafted, "outputs": outputs}
@@ -75,7 +79,10 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafters", required=True, type=lambda s: [x for x in s.split(",") if x], help="comma list of folders")
     p.add_argument("--labels", default=None, type=lambda s: [x for x in s.split(",") if x], help="names for the table")
     p.add_argument("--domains", default=",".join(DOMAINS), type=lambda s: [x for x in s.split(",") if x])
-    p.add_argument("--per-domain", type=int, default=4, help="held-out prompts per domain")
+    p.add_argument("--per-domain", type=int, default=4, help="prompts per domain")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="heldout",
+                   help="as bench's: the held-out prompts (to report), or the dev prompts or tuning requests "
+                        "(to choose checkpoints on)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-draft", type=int, default=None,
                    help="draft at most this many tokens per step (default: the drafter's block size - 1)")
@@ -114,7 +121,7 @@ def compare(args: argparse.Namespace) -> str:
             runs += [(f"{label} (z-lab loader, full vocabulary)", str(zlab_view(Path(d), Path(scratch) / str(i))))
                      for i, (label, d) in enumerate(runs)]
         results = {label: acceptance_by_domain(target, drafter, args.domains, args.per_domain, args.max_new_tokens,
-                                               max_draft=args.max_draft)
+                                               max_draft=args.max_draft, prompt_set=args.prompts)
                    for label, drafter in runs}
     outputs = [r.pop("outputs") for r in results.values()]
     identical = all(o == outputs[0] for o in outputs)
