@@ -49,8 +49,9 @@ def acceptance_by_domain(target, drafter: str, domains: Seq[str] = DOMAINS, per_
         options["max_draft"] = max_draft
     single = build_drafter(method, target, options or None, drafter)
     by_domain, drafted, outputs = {}, {}, {}
+    every = bench_prompts(prompt_set, list(domains), per_domain)  # once: the tuning requests are built, not read
     for domain in domains:
-        prompts = bench_prompts(prompt_set, [domain], per_domain)
+        prompts = [p for p in every if p[0] == domain]
         result = generate_batch(target, [encode_prompt(target, text) for _, _, text in prompts], method=method,
                                 max_new_tokens=max_new_tokens, drafter=single)
         steps = [s for run in result.runs for s in decode_steps(run)]
