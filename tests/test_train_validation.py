@@ -98,3 +98,68 @@ def test_per_folder_scores_each_folder_apart_and_together(setup, tmp_path, capsy
     assert sorted(folders) == ["data", "twin"] and folders["data"] == folders["twin"]  # the same shards, the same draw
     assert result["blocks"] == 2 * folders["data"]["blocks"]
     assert result["val_tau"] == pytest.approx(folders["data"]["val_tau"])
+
+
+def test_prompt_checks_keep_the_best_weights_and_leave_training_unchanged(setup, tmp_path):  # noqa: F811
+    """`--validate-prompts dev`: each check logs the dev prompts' acceptance per domain, the run's
+    best-prompts/ folder holds weights that score the best mean logged, and the trained weights
+    are those of a run without the checks."""
+    from specflash.training.evaluate import acceptance_by_domain
+    from specflash.training.prompt_validation import BEST
+
+    _, target, _ = setup
+    assert _train(setup, tmp_path / "plain") == 0
+    out = tmp_path / "prompts"
+    assert _train(setup, out, "--validate-every", "2", "--validate-samples", "2", "--validate-prompts", "dev",
+                  "--validate-prompts-per-domain", "1") == 0
+    checks = [r for r in _log(out) if "prompts_tau" in r]
+    assert [r["step"] for r in checks] == [0, 2, 4]
+    domains = ("math", "code", "writing", "rewrite")
+    for row in checks:
+        assert row["prompts_tau"] == pytest.approx(sum(row[f"prompts_tau_{d}"] for d in domains) / 4)
+        assert all(row[f"prompts_tau_{d}"] >= 1 for d in domains)
+    assert checks[0]["prompts_best"] is True
+    best = max(r["prompts_tau"] for r in checks)
+    again = acceptance_by_domain(target, str(out / BEST), domains, per_domain=1, prompt_set="dev")
+    assert again["mean"] == pytest.approx(best)
+    trained, plain = (load_file(str(tmp_path / d / "checkpoint" / "model.safetensors")) for d in ("prompts", "plain"))
+    assert all(torch.equal(plain[k], trained[k]) for k in plain)
+
+
+def test_prompt_checks_need_the_check_cadence():
+    with pytest.raises(SystemExit):
+        dflash.parse_args(["--model", "m", "--data", "d", "--validate-prompts", "dev"])
+
+
+def test_the_best_prompt_check_is_kept_not_the_last(setup, tmp_path):  # noqa: F811
+    """Two checks of different weights, in both orders: best-prompts/ holds whichever scored
+    higher, so a worse later check never replaces it."""
+    from specflash.models.dflash_io import load_drafter
+    from specflash.training.evaluate import acceptance_by_domain
+    from specflash.training.prompt_validation import BEST, PromptValidation
+
+    tmp, target, _ = setup
+    model = load_drafter(tmp / "dflash", target).float()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    muted = {k: torch.zeros_like(v) if k.startswith("fc.") else v.clone() for k, v in trained.items()}
+    for order in ((trained, muted), (muted, trained)):
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        out.mkdir()
+        check = PromptValidation(model, target, out, "dev", per_domain=1)
+        scores = []
+        for weights in order:
+            model.load_state_dict(weights)
+            scores.append(check()["prompts_tau"])
+        assert scores[0] != scores[1]
+        kept = acceptance_by_domain(target, str(out / BEST), per_domain=1, prompt_set="dev")["mean"]
+        assert kept == pytest.approx(max(scores))
+
+
+def test_a_resumed_run_measures_its_best_against_its_earlier_checks(setup, tmp_path):  # noqa: F811
+    from specflash.models.dflash_io import load_drafter
+    from specflash.training.prompt_validation import BEST, PromptValidation
+
+    tmp, target, _ = setup
+    (tmp_path / "log.jsonl").write_text(json.dumps({"step": 250, "prompts_tau": 99.0}) + "\n")
+    row = PromptValidation(load_drafter(tmp / "dflash", target).float(), target, tmp_path, "dev", 1)()
+    assert row["prompts_tau"] < 99.0 and "prompts_best" not in row and not (tmp_path / BEST).exists()

@@ -40,6 +40,7 @@ from .dflash_features import shard_features, warm_cache
 from .entry import run_script
 from .dflash_objective import Teacher, make_sequence, sample_anchors, sequence_loss
 from .validation import held_out_acceptance, held_out_blocks
+from .prompt_validation import PromptValidation
 
 CHECKPOINT = "checkpoint"
 TRAINER_STATE = "trainer.pt"
@@ -392,6 +393,10 @@ def train(args: argparse.Namespace) -> Progress | str:
         held = held_out_blocks(target, args.data + args.rehearse, args.hold_out, model.spec.target_layer_ids, cache,
                                args.validate_samples, args.anchors, args.seed)
         validate = partial(held_out_acceptance, model, held, weights, args.precision == "bf16")
+        if args.validate_prompts:
+            prompts = PromptValidation(model, target, out, args.validate_prompts, args.validate_prompts_per_domain,
+                                       recipe=lambda: _recipe(args, progress))
+            validate = partial(_merged, validate, prompts)
     TrainLoop(
         args, target, model, opt, progress, out, total, cache,
         tqdm(total=total, initial=progress.step, unit="step", desc=f"dflash-{args.name}"),
@@ -404,6 +409,10 @@ def train(args: argparse.Namespace) -> Progress | str:
     if args.export:
         shutil.copytree(out / "export", args.export, dirs_exist_ok=True)
     return progress
+
+
+def _merged(*checks: Callable[[], dict]) -> dict:
+    return {k: v for check in checks for k, v in check().items()}
 
 
 def _recipe(args: argparse.Namespace, progress: Progress) -> dict:
@@ -497,6 +506,12 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
                    help="log held-out acceptance (val_tau, val_acc1, val_loss) on fixed blocks of the --hold-out "
                         "shards at the start and every N steps (0 = never, the default)")
     p.add_argument("--validate-samples", type=int, default=64, help="held-out sequences scored by --validate-every")
+    p.add_argument("--validate-prompts", choices=("dev", "tuning"), default=None,
+                   help="at each --validate-every check also decode these prompts with the drafter as it is (gate "
+                        "off, T = 0; logged as prompts_tau), keeping the best weights so far in the run's "
+                        "best-prompts/ folder: the checkpoint to choose, where the held-out blocks can mislead")
+    p.add_argument("--validate-prompts-per-domain", type=int, default=8, metavar="N",
+                   help="prompts per domain for --validate-prompts")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--feature-cache", type=Path, default=None, help="default: train/features next to the run")
@@ -514,13 +529,15 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     default_epochs(args)
     resolve_precision(args)
     for flag in ("layers", "feature_layers", "anchors", "seqs_per_step", "epochs", "save_every", "log_every",
-                 "validate_samples", "rehearse_shards"):
+                 "validate_samples", "validate_prompts_per_domain", "rehearse_shards"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.block_size < 2:
         p.error("--block-size must be at least 2")
     if args.validate_every < 0:
         p.error("--validate-every must be 0 (never) or a number of steps")
+    if args.validate_prompts and not args.validate_every:
+        p.error("--validate-prompts scores at the --validate-every checks: give --validate-every N too")
     if not 0 <= args.soft_labels <= 1:
         p.error("--soft-labels must be between 0 and 1")
     if not 0 <= args.tau_weight <= 1:
