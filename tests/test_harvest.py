@@ -3,6 +3,8 @@ equals plain greedy decoding and a teacher-forced forward, and a folder resumes 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -33,8 +35,9 @@ def test_tuning_jobs_are_outside_every_harvest_of_the_recipe(tmp_path, monkeypat
     jobs = harvest.tuning_jobs(3, tmp_path, per_source=100)
     assert jobs == harvest.tuning_jobs(3, tmp_path, per_source=100)
     names = [n for n in harvest.RECIPE_SOURCES if n != "prompts"]
-    recipe = {j.text for j in harvest.recipe_jobs(0, 100, names, tmp_path)}
-    assert jobs and not any(j.text in recipe for j in jobs)
+    for seed in harvest.HARVESTED_RECIPE_SEEDS:
+        recipe = {j.text for j in harvest.recipe_jobs(seed, 100, names, tmp_path)}
+        assert jobs and not any(j.text in recipe for j in jobs)
     domains = [j.domain for j in jobs]
     assert {d: domains.count(d) for d in domains} == {d: 3 for d in ("code", "writing", "rewrite", "math")}
 
@@ -164,3 +167,15 @@ def test_sampled_prompt_answers_vary_and_repeat_from_the_seed(llama, tmp_path):
     assert "temperature" not in greedy  # the existing greedy folders keep their key
     with pytest.raises(Exception, match="temperature"):
         harvest.harvest(harvest.parse_args([*argv, "--temperature", "0", "--out", str(tmp_path / "c")]))
+
+
+def test_every_committed_recipe_harvest_is_left_out_of_the_tuning_requests():
+    """A committed harvest of a recipe seed that HARVESTED_RECIPE_SEEDS does not list would let its
+    requests into the tuning set, which chooses checkpoints of drafters trained on it."""
+    from pathlib import Path
+
+    templated = set(harvest.RECIPE_SOURCES) - {"prompts"}
+    root = Path(__file__).resolve().parents[1] / "data" / "harvests"
+    seeds = {m["seed"] for m in (json.loads(p.read_text()) for p in root.glob("*/harvest-*/manifest.json"))
+             if templated & set(m["sources"])}
+    assert seeds and seeds <= set(harvest.HARVESTED_RECIPE_SEEDS)
