@@ -29,7 +29,7 @@ from .config import SamplingConfig
 from .metrics import pooled_acceptance
 from .models.presets import default_drafter, portable_path, preset_datastore, weights_fingerprint
 
-HF_ROWS = ("hf-assisted", "hf-pld")
+HF_ROWS = {"hf-assisted": True, "hf-pld": False}  # transformers' own rows, and whether each runs a drafter model
 PROMPT_SETS = ("heldout", "dev", "tuning")
 
 
@@ -154,7 +154,8 @@ def own_drafter(method: str, options: dict[str, Any]) -> tuple[str | None, dict[
 
     knobs = dict(options)
     own = knobs.pop("drafter", None)
-    if own is not None and method != "hf-assisted" and (method in HF_ROWS or method_info(method).drafter_role is None):
+    runs_drafter = HF_ROWS[method] if method in HF_ROWS else method_info(method).drafter_role is not None
+    if own is not None and not runs_drafter:
         raise MethodConfigError(f"method {method!r} runs no drafter: drafter={own} has nothing to set")
     return own, knobs
 

@@ -3,6 +3,8 @@ the PTD sweep (specflash.bench_ptd) on a tiny model."""
 
 from __future__ import annotations
 
+import pytest
+
 from specflash import bench_ptd
 from specflash.bench import Sample, format_table, summarize_samples
 
@@ -185,3 +187,15 @@ def test_a_pair_with_a_skipped_row_is_left_out_and_the_run_still_written(tiny_di
     assert code == 0 and "skipping hf-assisted" in printed
     compared = json.loads(out.read_text())["comparisons"]
     assert {(c["a"], c["b"]) for c in compared} == {("pld", "ar")}
+
+
+def test_own_drafter_goes_to_methods_that_run_one_and_only_those():
+    from specflash.bench import own_drafter
+    from specflash.errors import MethodConfigError
+
+    assert own_drafter("hf-assisted", {"drafter": "D", "x": 1}) == ("D", {"x": 1})
+    assert own_drafter("dflash", {"drafter": "D", "gate": False}) == ("D", {"gate": False})
+    assert own_drafter("pld", {"k": 3}) == (None, {"k": 3})
+    for method in ("hf-pld", "pld", "ar"):
+        with pytest.raises(MethodConfigError, match=f"method '{method}' runs no drafter"):
+            own_drafter(method, {"drafter": "D"})
