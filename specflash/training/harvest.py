@@ -28,6 +28,7 @@ features [tokens - 1 per sample, n_layers * H] and the layer ids in its metadata
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -109,13 +110,22 @@ def tuning_jobs(per_domain: int, cache: Path, seed: int = 1000, per_source: int 
     benchmark. (Until the thirty-sixth session only seed 0 was left out, and 8, 9 and 7 of 68
     requests were in the seed 1, 2 and 3 harvests that the shipped drafters trained on.)"""
     names = [n for n in RECIPE_SOURCES if n != "prompts"]
-    seen = {job.text for s in HARVESTED_RECIPE_SEEDS for job in recipe_jobs(s, per_source, names, cache)}
+    seen = harvested_requests(per_source, cache)
     fresh = [job for job in recipe_jobs(seed, 4 * per_domain, names, cache) if job.text not in seen]
     picked: dict[str, list[Job]] = {}
     for job in fresh:
         if len(picked.setdefault(job.domain, [])) < per_domain:
             picked[job.domain].append(job)
     return [job for jobs in picked.values() for job in jobs]
+
+
+@functools.cache
+def harvested_requests(per_source: int, cache: Path) -> frozenset[str]:
+    """Every request text of the recipe's harvested seeds (its templated and text sources), built
+    once per process: about 20 s on the 2-core CPU, which every tuning set (a bench, each drafter
+    of an evaluation, each check of `--validate-prompts`) would otherwise pay again."""
+    names = [n for n in RECIPE_SOURCES if n != "prompts"]
+    return frozenset(job.text for s in HARVESTED_RECIPE_SEEDS for job in recipe_jobs(s, per_source, names, cache))
 
 
 def features_path(shard: Path) -> Path:
