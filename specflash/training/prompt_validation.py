@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
